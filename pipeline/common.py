@@ -1,0 +1,69 @@
+"""Small pieces every part shares: the user-error type, the CLI wrapper, atomic writes and checksums.
+
+    from pipeline.common import UserError, atomic_write_json, sha256_file
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIGS_DIR = REPO_ROOT / "configs"
+
+
+class UserError(Exception):
+    """An error the user can fix: printed as one line (no traceback) and the command exits with status 2."""
+
+
+def run_cli(main: Callable[[], int | None]) -> int:
+    """Run a CLI entry point, turning a `UserError` into one line on stderr and exit status 2."""
+    try:
+        return int(main() or 0)
+    except UserError as err:
+        prog = Path(sys.argv[0]).name or "t5zero"
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to a temp file beside `path`, fsync it, and rename it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write `obj` as indented, key-sorted JSON, atomically (temp file + rename)."""
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def sha256_file(path: str | os.PathLike, chunk_bytes: int = 8 << 20) -> str:
+    """Hex sha256 of a file's bytes, read in chunks (bounded memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    """Hex sha256 of the canonical (sorted, compact) JSON of `obj`."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
