@@ -1,0 +1,593 @@
+"""The ZeRO x data-loading study: expand a grid, launch one real `pretrain` per point, collect the results.
+
+    study run configs/study/cpu-tiny.yaml --out studies/cpu-tiny
+
+A grid file (YAML) holds the shared shard set (`data`: a path, or a `prep corpus` spec the study prepares once),
+the base pretrain settings every point shares (`base`), the grid axes (`grid`) and `exclude` / `include` rules.
+Each point is one `pretrain` subprocess writing studies/NAME/runs/<point-id>/; when it ends, the study writes
+runs/<point-id>/study_point.json (status, reason, command) last, which is what marks the point finished.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.common import UserError, atomic_write_json
+from pipeline.shard_format import read_manifest
+from pretrain import report
+
+AXES = ("model", "zero", "offload", "micro_batch", "loader_workers", "nproc", "activation_checkpointing")
+AXIS_DEFAULTS: dict[str, list[Any]] = {"offload": ["none"], "loader_workers": [0], "nproc": [1],
+                                       "activation_checkpointing": [False]}
+OFFLOADS = ("none", "cpu", "nvme")
+STUDY_FILE = "study.json"
+POINT_FILE = "study_point.json"
+RUNS_DIR = "runs"
+LOGS_DIR = "logs"
+FINISHED_STATUSES = ("ok", "failed", "oom", "timeout")
+
+
+@dataclass
+class BaseSettings:
+    """Pretrain settings every point of a study shares (the `base` section of a grid file)."""
+
+    steps: int = 20
+    skip_steps: int = 5
+    """Steps at the start excluded from the medians (allocator, loader and kernel warm-up)."""
+    global_batch: int = 8
+    lr: float | None = None
+    warmup_steps: int | None = None
+    """Learning-rate warm-up steps passed to pretrain (not the measurement warm-up: that is `skip_steps`)."""
+    schedule: str | None = None
+    precision: str | None = None
+    """bf16 or fp32; None leaves the pretrain default."""
+    seed: int = 0
+    timeout_s: float = 1800.0
+    """Wall-clock limit per point; a point past it is killed and recorded as a timeout."""
+    nvme_path: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+    """Further pretrain flags, passed as given to every point."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.global_batch < 1:
+            raise ValueError(f"steps and global_batch must be >= 1, got {self.steps} and {self.global_batch}")
+        if not 0 <= self.skip_steps < self.steps:
+            raise ValueError(f"skip_steps must be in [0, steps={self.steps}) so some steps are measured, "
+                             f"got {self.skip_steps}")
+        if self.precision not in (None, "bf16", "fp32"):
+            raise ValueError(f"precision must be bf16 or fp32, got {self.precision!r}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not isinstance(self.extra_args, list) or not all(isinstance(a, str) for a in self.extra_args):
+            raise ValueError("extra_args must be a list of strings")
+
+
+@dataclass(frozen=True)
+class Point:
+    """One grid point: the values of every axis."""
+
+    model: str
+    zero: int
+    offload: str
+    micro_batch: int
+    loader_workers: int
+    nproc: int
+    activation_checkpointing: bool
+
+    @property
+    def point_id(self) -> str:
+        """Directory-safe id, e.g. mt5-base-z2-cpu-mb8-w4-n2 (+ -ac with activation checkpointing)."""
+        model = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.model)
+        ident = (f"{model}-z{self.zero}-{self.offload}-mb{self.micro_batch}-w{self.loader_workers}"
+                 f"-n{self.nproc}")
+        return ident + ("-ac" if self.activation_checkpointing else "")
+
+    @property
+    def label(self) -> str:
+        """Progress label, e.g. "mt5-base zero=2 offload=cpu mb=8 w=4 n=2"."""
+        text = (f"{self.model} zero={self.zero} offload={self.offload} mb={self.micro_batch} "
+                f"w={self.loader_workers} n={self.nproc}")
+        return text + (" ckpt" if self.activation_checkpointing else "")
+
+
+@dataclass
+class StudyGrid:
+    """A parsed grid file."""
+
+    name: str
+    source: Path
+    data: str | dict[str, Any] | None
+    base: BaseSettings
+    axes: dict[str, list[Any]]
+    exclude: list[dict[str, Any]]
+    include: list[dict[str, Any]]
+    pretrain_command: list[str] | None = None
+
+    def points(self) -> list[Point]:
+        """The grid's points: the product of the axes, minus `exclude` matches, plus `include` entries.
+
+        An `exclude` rule removes every point whose values match all its keys (a list value matches any of
+        its items). An `include` entry is a small grid of its own (scalars or lists); axes it does not name
+        take their first grid value. Order: product order, then includes; duplicates are dropped.
+        """
+        product = [dict(zip(AXES, values)) for values in itertools.product(*(self.axes[a] for a in AXES))]
+        chosen = [p for p in product if not any(_matches(p, rule) for rule in self.exclude)]
+        for entry in self.include:
+            sub_axes = {a: _as_list(entry.get(a, self.axes[a][0])) for a in AXES}
+            chosen += [dict(zip(AXES, values)) for values in itertools.product(*(sub_axes[a] for a in AXES))]
+        unique: dict[str, Point] = {}
+        for values in chosen:
+            point = _make_point(values, self.source)
+            unique.setdefault(point.point_id, point)
+        return list(unique.values())
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _matches(values: dict[str, Any], rule: dict[str, Any]) -> bool:
+    return all(values[key] in _as_list(allowed) for key, allowed in rule.items())
+
+
+def _make_point(values: dict[str, Any], source: Path) -> Point:
+    try:
+        point = Point(model=str(values["model"]), zero=int(values["zero"]), offload=str(values["offload"]),
+                      micro_batch=int(values["micro_batch"]), loader_workers=int(values["loader_workers"]),
+                      nproc=int(values["nproc"]),
+                      activation_checkpointing=bool(values["activation_checkpointing"]))
+    except (TypeError, ValueError) as err:
+        raise UserError(f"{source}: bad grid value in {values} ({err}); axes take ints, strings and booleans")
+    if point.zero not in (0, 1, 2, 3):
+        raise UserError(f"{source}: zero must be 0-3, got {point.zero}")
+    if point.offload not in OFFLOADS:
+        raise UserError(f"{source}: offload must be one of {OFFLOADS}, got {point.offload!r}")
+    return point
+
+
+def load_grid(path: str | os.PathLike) -> StudyGrid:
+    """Read and check a grid file; any problem raises `UserError` naming the file and the fix."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such grid file; see configs/study/ for examples")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise UserError(f"{path}: not valid YAML ({str(err).splitlines()[0]}); fix the syntax")
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: expected a mapping with name, data, base, grid; see configs/study/cpu-tiny.yaml")
+    known = {"name", "description", "data", "base", "grid", "exclude", "include", "pretrain_command"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise UserError(f"{path}: unknown keys {unknown}; allowed: {sorted(known)}")
+
+    base_raw = raw.get("base") or {}
+    base_fields = {f.name for f in fields(BaseSettings)}
+    bad = sorted(set(base_raw) - base_fields)
+    if bad:
+        raise UserError(f"{path}: unknown base settings {bad}; allowed: {sorted(base_fields)}")
+    try:
+        base = BaseSettings(**base_raw)
+    except (TypeError, ValueError) as err:
+        raise UserError(f"{path}: base: {err}")
+
+    grid_raw = raw.get("grid") or {}
+    bad = sorted(set(grid_raw) - set(AXES))
+    if bad:
+        raise UserError(f"{path}: unknown grid axes {bad}; axes are {list(AXES)}")
+    axes: dict[str, list[Any]] = {}
+    for axis in AXES:
+        values = _as_list(grid_raw.get(axis, AXIS_DEFAULTS.get(axis, [])))
+        if not values:
+            raise UserError(f"{path}: grid.{axis} is required (a value or a list of values)")
+        axes[axis] = values
+
+    rules: dict[str, list[dict[str, Any]]] = {}
+    for key in ("exclude", "include"):
+        entries = raw.get(key) or []
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise UserError(f"{path}: {key} must be a list of mappings like {{zero: [0, 1], offload: cpu}}")
+        for entry in entries:
+            if set(entry) - set(AXES):
+                raise UserError(f"{path}: {key} entry {entry} names unknown axes {sorted(set(entry) - set(AXES))}")
+        rules[key] = entries
+
+    data = raw.get("data")
+    if data is not None and not isinstance(data, (str, dict)):
+        raise UserError(f"{path}: data must be a shard-set path or a prep spec {{input: ..., tokenizer: ...}}")
+    if isinstance(data, dict) and ("input" not in data or "tokenizer" not in data):
+        raise UserError(f"{path}: a data prep spec needs input and tokenizer (it is passed to `prep corpus`)")
+    command = raw.get("pretrain_command")
+    if command is not None and (not isinstance(command, list) or not all(isinstance(c, str) for c in command)):
+        raise UserError(f"{path}: pretrain_command must be a list of strings, e.g. [deepspeed, -m, pretrain.cli]")
+    grid = StudyGrid(name=str(raw.get("name") or path.stem), source=path, data=data, base=base, axes=axes,
+                     exclude=rules["exclude"], include=rules["include"], pretrain_command=command)
+    if not grid.points():
+        raise UserError(f"{path}: the grid has no points left after exclude; loosen the exclude rules")
+    return grid
+
+
+def console_script(name: str) -> list[str]:
+    """The command that runs one of this toolkit's console scripts (the one beside this Python first)."""
+    beside = Path(sys.executable).with_name(name)
+    if beside.is_file():
+        return [str(beside)]
+    found = shutil.which(name)
+    if found:
+        return [found]
+    raise UserError(f"`{name}` is not installed; run `pip install -e .` in the repository")
+
+
+def pretrain_command(grid: StudyGrid, point: Point, shards: Path, run_dir: Path) -> list[str]:
+    """The `pretrain` command line of one point (interface 5)."""
+    base = grid.base
+    command = list(grid.pretrain_command or console_script("pretrain"))
+    command += ["--zero", str(point.zero), "--offload", point.offload, "--model", point.model,
+                "--data", str(shards), "--out", str(run_dir), "--steps", str(base.steps),
+                "--micro-batch", str(point.micro_batch), "--global-batch", str(base.global_batch),
+                "--loader-workers", str(point.loader_workers), "--nproc", str(point.nproc),
+                "--seed", str(base.seed), "--force"]
+    for flag, value in (("--lr", base.lr), ("--warmup-steps", base.warmup_steps), ("--schedule", base.schedule)):
+        if value is not None:
+            command += [flag, str(value)]
+    if base.precision:
+        command.append(f"--{base.precision}")
+    if point.activation_checkpointing:
+        command.append("--activation-checkpointing")
+    if point.offload == "nvme":
+        if not base.nvme_path:
+            raise UserError(f"{grid.source}: offload nvme needs base.nvme_path (a directory on a fast local disk)")
+        command += ["--nvme-path", base.nvme_path]
+    return command + base.extra_args
+
+
+# ----------------------------------------------------------------------------------------------- shard set
+
+def prepare_shards(grid: StudyGrid, study_dir: Path, data_override: str | None) -> Path:
+    """The study's shard set: --data, else the grid's path, else `prep corpus` run once into STUDY/shards."""
+    if data_override:
+        return Path(data_override)
+    if grid.data is None:
+        raise UserError(f"{grid.source}: no data; add `data: shards/NAME` (or a prep spec) or pass --data SHARDS")
+    if isinstance(grid.data, str):
+        return Path(grid.data)
+    spec = dict(grid.data)
+    out = Path(spec.pop("out", study_dir / "shards"))
+    if (out / "manifest.json").is_file():
+        return out
+    command = console_script("prep") + ["corpus"]
+    for key, value in spec.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            command.append(flag)
+        elif value not in (False, None):
+            command += [flag, *map(str, _as_list(value))]
+    command += ["--out", str(out)]
+    print(f"preparing the shard set once: {shlex.join(command)}", flush=True)
+    result = subprocess.run(command, stderr=subprocess.PIPE, text=True)
+    if result.returncode != 0:
+        raise UserError(f"{grid.source}: `prep corpus` failed ({last_error_line(result.stderr)}); "
+                        f"fix the data spec or prepare the shards yourself and pass --data")
+    return out
+
+
+def check_study_dir(study_dir: Path, shards: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Load (or start) STUDY/study.json; refuse a second shard set in one study directory."""
+    path = study_dir / STUDY_FILE
+    if path.is_file():
+        state = json.loads(path.read_text())
+        if state["fingerprint"] != manifest["fingerprint"]:
+            raise UserError(f"{path}: this study ran on shard set {state['fingerprint'][:12]} ({state['shards']}), "
+                            f"not {manifest['fingerprint'][:12]} ({shards}); use another --out for other data")
+        return state
+    return {"fingerprint": manifest["fingerprint"], "shards": str(shards), "commands": []}
+
+
+def shard_summary(shards: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    config, totals = manifest.get("config", {}), manifest.get("totals", {})
+    return {"path": str(shards), "fingerprint": manifest["fingerprint"],
+            "examples": totals.get("examples"), "shards": totals.get("shards", len(manifest.get("shards", []))),
+            "input_length": config.get("input_length"), "target_length": config.get("target_length"),
+            "tokenizer_sha256": manifest.get("tokenizer", {}).get("sha256"),
+            "vocab_size": manifest.get("tokenizer", {}).get("vocab_size")}
+
+
+def machine_info() -> dict[str, Any]:
+    """What the study ran on: OS, CPUs, RAM, GPUs (nvidia-smi when present), key package versions."""
+    import psutil
+
+    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
+                            "cpus": os.cpu_count(), "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
+                            "gpus": []}
+    if shutil.which("nvidia-smi"):
+        query = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=60)
+        info["gpus"] = [line.strip() for line in query.stdout.splitlines() if line.strip()]
+    for package in ("torch", "deepspeed"):
+        try:
+            info[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            info[package] = None
+    return info
+
+
+# ------------------------------------------------------------------------------------------------ one point
+
+@dataclass
+class PointOutcome:
+    status: str
+    reason: str
+    returncode: int | None
+    wall_s: float
+
+
+def last_error_line(stderr: str) -> str:
+    """The line that says why a command failed: the last `...error:` line, else the last non-empty line."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if re.search(r"\berror:", line, re.IGNORECASE):
+            return line[:300]
+    return lines[-1][:300] if lines else ""
+
+
+def classify(returncode: int | None, timed_out: bool, stderr_text: str, run_dir: Path,
+             timeout_s: float) -> tuple[str, str]:
+    """(status, reason) of a finished launch: ok, oom, timeout or failed."""
+    if timed_out:
+        return "timeout", f"no result within timeout_s={timeout_s:g}"
+    reason = last_error_line(stderr_text)
+    if returncode == 0:
+        summary = run_dir / "summary.json"
+        if not summary.is_file() or not (run_dir / "metrics.jsonl").is_file():
+            return "failed", "exited 0 but wrote no summary.json / metrics.jsonl"
+        status = json.loads(summary.read_text()).get("status")
+        return ("ok", "") if status == "ok" else ("failed", f"summary.json status {status!r}")
+    if re.search(r"out of memory|outofmemory|\boom\b|cannot allocate memory", stderr_text, re.IGNORECASE):
+        return "oom", reason or "out of memory"
+    return "failed", reason or f"exit status {returncode}"
+
+
+def _steps_done(metrics_path: Path) -> int:
+    try:
+        with open(metrics_path, "rb") as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Stop a launched point and everything it spawned (its own process group, by id)."""
+    if process.poll() is not None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def launch_point(command: list[str], run_dir: Path, log_dir: Path, timeout_s: float, steps: int,
+                 prefix: str) -> PointOutcome:
+    """Run one pretrain launch with a wall-clock limit; stdout/stderr go to log_dir/<id>.{out,err}."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    out_path, err_path = log_dir / f"{run_dir.name}.out", log_dir / f"{run_dir.name}.err"
+    live = sys.stdout.isatty()
+    start = time.monotonic()
+    timed_out = False
+    with open(out_path, "wb") as out_log, open(err_path, "wb") as err_log:
+        process = subprocess.Popen(command, stdout=out_log, stderr=err_log, start_new_session=True,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            while True:
+                try:
+                    process.wait(timeout=2.0)
+                    break
+                except subprocess.TimeoutExpired:
+                    elapsed = time.monotonic() - start
+                    if elapsed > timeout_s:
+                        timed_out = True
+                        _stop(process)
+                        break
+                    if live:
+                        done = _steps_done(run_dir / "metrics.jsonl")
+                        print(f"\r{prefix} ... step {done}/{steps} {elapsed:.0f}s", end="", flush=True)
+        finally:
+            _stop(process)
+    stderr_text = err_path.read_text(errors="replace")
+    status, reason = classify(process.returncode, timed_out, stderr_text, run_dir, timeout_s)
+    return PointOutcome(status, reason, process.returncode, time.monotonic() - start)
+
+
+def read_point_record(run_dir: Path) -> dict[str, Any] | None:
+    path = run_dir / POINT_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+    return record if record.get("status") in FINISHED_STATUSES else None
+
+
+# ------------------------------------------------------------------------------------------------- results
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl -> list of step records (a torn last line from a killed run is skipped)."""
+    records = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+def summarize_metrics(metrics: list[dict[str, Any]], skip_steps: int) -> dict[str, Any]:
+    """Steady-state medians of one run's metrics (steps after `skip_steps`); peak memory is the max of all.
+
+    data_wait_share = total data wait / total step time over the steady-state steps (a median would hide
+    the occasional stall that a share of time shows).
+    """
+    steady = [m for m in metrics if int(m.get("step", 0)) > skip_steps]
+    out: dict[str, Any] = {"steps_done": len(metrics), "steps_measured": len(steady)}
+    if not steady:
+        return out
+
+    def median(key: str) -> float | None:
+        values = [float(m[key]) for m in steady if m.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    for key in ("tokens_per_s", "samples_per_s", "tflops_per_gpu", "mfu", "step_time_s", "data_wait_s",
+                "compute_s"):
+        out[key] = median(key)
+    total_step = sum(float(m.get("step_time_s") or 0.0) for m in steady)
+    total_wait = sum(float(m.get("data_wait_s") or 0.0) for m in steady)
+    out["data_wait_share"] = total_wait / total_step if total_step > 0 else None
+    peaks = [float(m["peak_mem_gib"]) for m in metrics if m.get("peak_mem_gib") is not None]
+    out["peak_mem_gib"] = max(peaks) if peaks else None
+    out["grad_accum"] = steady[-1].get("grad_accum")
+    return out
+
+
+def result_row(record: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """One results.csv row from a finished point's record and its run dir."""
+    row: dict[str, Any] = dict(record["point"])
+    row.update(point_id=record["point_id"], status=record["status"], reason=record.get("reason", ""),
+               steps=record["base"]["steps"], global_batch=record["base"]["global_batch"],
+               wall_s=record.get("wall_s"))
+    row.update(summarize_metrics(read_metrics(run_dir / "metrics.jsonl"), record["base"]["skip_steps"]))
+    config_path = run_dir / "config.json"
+    if config_path.is_file():
+        try:
+            estimate = json.loads(config_path.read_text()).get("memory_estimate") or {}
+        except json.JSONDecodeError:
+            estimate = {}
+        row.update(est_gpu_gib=estimate.get("per_gpu_gib"), est_cpu_gib=estimate.get("per_cpu_gib"),
+                   est_method=estimate.get("method"))
+    return row
+
+
+def collect_rows(study_dir: Path) -> list[dict[str, Any]]:
+    """Rows for every finished point under STUDY/runs, in grid order where known, else by id."""
+    runs = study_dir / RUNS_DIR
+    records = []
+    for run_dir in sorted(p for p in runs.iterdir() if p.is_dir()) if runs.is_dir() else []:
+        record = read_point_record(run_dir)
+        if record is not None:
+            records.append((record.get("order", 1 << 30), run_dir.name, record, run_dir))
+    return [result_row(record, run_dir) for _, _, record, run_dir in sorted(records, key=lambda r: r[:2])]
+
+
+def rebuild_report(study_dir: Path) -> dict[str, Path]:
+    """results.csv, report.md and the plots from the run dirs (or from results.csv if there are none)."""
+    study_dir = Path(study_dir)
+    state_path = study_dir / STUDY_FILE
+    setup = json.loads(state_path.read_text()) if state_path.is_file() else {}
+    rows = collect_rows(study_dir)
+    if not rows and (study_dir / report.RESULTS_CSV).is_file():
+        rows = report.read_results_csv(study_dir / report.RESULTS_CSV)
+    if not rows:
+        raise UserError(f"{study_dir}: no finished points under {RUNS_DIR}/ and no {report.RESULTS_CSV}; "
+                        f"run `study run GRID.yaml --out {study_dir}` first")
+    return report.write_report(rows, study_dir, setup)
+
+
+# ----------------------------------------------------------------------------------------------- the sweep
+
+def _fmt_rate(tokens_per_s: float | None) -> str:
+    if tokens_per_s is None:
+        return "n/a"
+    return f"{tokens_per_s / 1e3:.1f}k tok/s" if tokens_per_s >= 1e3 else f"{tokens_per_s:.0f} tok/s"
+
+
+def run_study(grid_path: str | os.PathLike, study_dir: str | os.PathLike, *, data: str | None = None,
+              dry_run: bool = False, retry_failed: bool = False, argv: list[str] | None = None) -> dict[str, Any]:
+    """Run every unfinished point of a grid, then rebuild results.csv, report.md and the plots.
+
+    Returns counts {points, ok, failed, oom, timeout, skipped, launched}.
+    """
+    grid = load_grid(grid_path)
+    study_dir = Path(study_dir)
+    points = grid.points()
+    runs = study_dir / RUNS_DIR
+    if dry_run:  # no prep, no launches: show what would run
+        shards = Path(data or (grid.data if isinstance(grid.data, str) else study_dir / "shards"))
+        for index, point in enumerate(points, 1):
+            record = read_point_record(runs / point.point_id)
+            state = f"  [done: {record['status']}]" if record else ""
+            print(f"[{index}/{len(points)}] {point.label}{state}\n    "
+                  f"{shlex.join(pretrain_command(grid, point, shards, runs / point.point_id))}")
+        print(f"dry run: {len(points)} points, nothing launched")
+        return {"points": len(points), "launched": 0}
+
+    shards = prepare_shards(grid, study_dir, data)
+    manifest = read_manifest(shards)
+    state = check_study_dir(study_dir, shards, manifest)
+    state.update(study=grid.name, grid_file=str(grid.source), grid=yaml.safe_load(grid.source.read_text()),
+                 shard_set=shard_summary(shards, manifest), machine=machine_info(), base=asdict(grid.base))
+    state["commands"] = (state.get("commands") or []) + [shlex.join(argv or ["study", "run", str(grid_path),
+                                                                                "--out", str(study_dir)])]
+    atomic_write_json(study_dir / STUDY_FILE, state)
+
+    counts = {status: 0 for status in FINISHED_STATUSES} | {"points": len(points), "skipped": 0, "launched": 0}
+    sweep_start = time.monotonic()
+    for index, point in enumerate(points, 1):
+        run_dir = runs / point.point_id
+        prefix = f"[{index}/{len(points)}] {point.label}"
+        previous = read_point_record(run_dir)
+        if previous and (previous["status"] == "ok" or not retry_failed):
+            counts["skipped"] += 1
+            counts[previous["status"]] += 1
+            print(f"{prefix} ... skipped ({previous['status']} earlier)", flush=True)
+            continue
+        command = pretrain_command(grid, point, shards, run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / POINT_FILE).unlink(missing_ok=True)
+        if not sys.stdout.isatty():
+            print(f"{prefix} ...", end="", flush=True)
+        outcome = launch_point(command, run_dir, study_dir / LOGS_DIR, grid.base.timeout_s, grid.base.steps, prefix)
+        record = {"point_id": point.point_id, "point": asdict(point), "order": index, "status": outcome.status,
+                  "reason": outcome.reason, "returncode": outcome.returncode, "wall_s": round(outcome.wall_s, 2),
+                  "command": command, "base": asdict(grid.base), "fingerprint": manifest["fingerprint"]}
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(run_dir / POINT_FILE, record)
+        counts[outcome.status] += 1
+        counts["launched"] += 1
+        if outcome.status == "ok":
+            medians = summarize_metrics(read_metrics(run_dir / "metrics.jsonl"), grid.base.skip_steps)
+            result = f"{_fmt_rate(medians.get('tokens_per_s'))} ({outcome.wall_s:.0f}s)"
+        else:
+            result = f"{outcome.status.upper()}: {outcome.reason} ({outcome.wall_s:.0f}s)"
+        print(f"\r{prefix} ... {result}" if sys.stdout.isatty() else f" {result}", flush=True)
+
+    written = rebuild_report(study_dir)
+    elapsed = time.monotonic() - sweep_start
+    print(f"study {grid.name}: {counts['points']} points: {counts['ok']} ok, {counts['oom']} oom, "
+          f"{counts['failed']} failed, {counts['timeout']} timeout ({counts['skipped']} skipped as finished, "
+          f"{counts['launched']} launched) in {elapsed / 60:.1f} min")
+    print(f"results: {written['csv']}\nreport:  {written['md']}\nplots:   "
+          + ", ".join(str(p) for p in written["plots"]))
+    return counts
