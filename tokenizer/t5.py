@@ -1,0 +1,153 @@
+"""T5-layout tokenizers: train a Unigram model, adopt an existing tokenizer.json, load and describe one.
+
+    tok = load_tokenizer("tok/tokenizer.json")   # checks <pad>=0, </s>=1, <unk>=2, <extra_id_0>=V-1 .. <extra_id_99>=V-100
+
+Layout (DESIGN.md "Tokenizer"): `<pad>`=0, `</s>`=1, `<unk>`=2, sentinels `<extra_id_0>` .. `<extra_id_99>` at the
+top of the vocabulary, `<extra_id_0>` = vocab_size-1, descending. No post-processor adds `</s>`: prep appends
+`</s>` once per document itself.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
+from tokenizers.models import Unigram
+from tokenizers.trainers import UnigramTrainer
+
+from pipeline.common import UserError, atomic_write_bytes, sha256_file
+
+PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
+PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
+NUM_SENTINELS = 100
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def sentinel_token(k: int) -> str:
+    return f"<extra_id_{k}>"
+
+
+def _resolve(path: str | Path) -> Path:
+    path = Path(path)
+    return path / TOKENIZER_FILE if path.is_dir() else path
+
+
+def _read(path: Path) -> Tokenizer:
+    if not path.is_file():
+        raise UserError(f"{path}: tokenizer file not found; train one with `prep tokenizer --input CORPUS --out DIR`")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception for unreadable JSON
+        first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UserError(f"{path}: not a readable HF tokenizers JSON file ({first_line}); "
+                        f"train one with `prep tokenizer` or pass a tokenizer.json") from None
+
+
+def layout_problems(tokenizer: Tokenizer) -> list[str]:
+    """What keeps `tokenizer` from the T5 layout (empty when it fits)."""
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    problems = [f"{name} is id {tokenizer.token_to_id(name)}, expected {want}"
+                for name, want in ((PAD, PAD_ID), (EOS, EOS_ID), (UNK, UNK_ID)) if tokenizer.token_to_id(name) != want]
+    wrong = [k for k in range(NUM_SENTINELS) if tokenizer.token_to_id(sentinel_token(k)) != vocab_size - 1 - k]
+    if wrong:
+        problems.append(f"{len(wrong)} of the {NUM_SENTINELS} sentinels are missing or misplaced (e.g. "
+                        f"{sentinel_token(wrong[0])} is id {tokenizer.token_to_id(sentinel_token(wrong[0]))}, "
+                        f"expected {vocab_size - 1 - wrong[0]})")
+    return problems
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load a tokenizer.json (or a directory holding one) and check the T5 layout; `UserError` otherwise.
+
+    Special-token strings inside documents (a literal "<extra_id_0>" in the text) are tokenised as plain text.
+    """
+    path = _resolve(path)
+    tokenizer = _read(path)
+    problems = layout_problems(tokenizer)
+    if problems:
+        raise UserError(f"{path}: not a T5-layout tokenizer ({'; '.join(problems)}); "
+                        f"fix it with `prep tokenizer --from {path} --out DIR`")
+    tokenizer.encode_special_tokens = True
+    return tokenizer
+
+
+def tokenizer_info(path: str | Path) -> dict:
+    """The manifest's "tokenizer" section: path, sha256 of the file's bytes, vocab size and special ids."""
+    path = _resolve(path)
+    tokenizer = load_tokenizer(path)
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    return {"path": str(path.resolve()), "sha256": sha256_file(path), "vocab_size": vocab_size,
+            "pad_id": PAD_ID, "eos_id": EOS_ID, "unk_id": UNK_ID, "sentinel_first_id": vocab_size - 1,
+            "sentinel_last_id": vocab_size - NUM_SENTINELS, "num_sentinels": NUM_SENTINELS}
+
+
+def _add_sentinels(tokenizer: Tokenizer) -> None:
+    """Append `<extra_id_99>` .. `<extra_id_0>` so that `<extra_id_0>` lands on the last id."""
+    tokenizer.add_special_tokens([sentinel_token(k) for k in reversed(range(NUM_SENTINELS))])
+
+
+def _save(tokenizer: Tokenizer, out_dir: str | Path) -> Path:
+    path = Path(out_dir) / TOKENIZER_FILE
+    atomic_write_bytes(path, tokenizer.to_str(pretty=True).encode())
+    load_tokenizer(path)  # the file we hand out must pass our own check
+    return path
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path, *, length: int | None = None,
+                    show_progress: bool = True) -> Path:
+    """Train a Unigram tokenizer on a stream of documents and save DIR/tokenizer.json in the T5 layout.
+
+    `texts` is consumed lazily (the trainer keeps word counts, not the corpus). `vocab_size` includes the
+    three specials and the 100 sentinels. A corpus too small to fill the vocabulary is a `UserError`.
+    """
+    if vocab_size < NUM_SENTINELS + 3 + 16:
+        raise UserError(f"--vocab-size {vocab_size} is too small; it must hold 3 specials, {NUM_SENTINELS} "
+                        f"sentinels and some pieces (use >= {NUM_SENTINELS + 3 + 16}; T5 uses 32000)")
+    tokenizer = Tokenizer(Unigram())
+    tokenizer.normalizer = normalizers.NFKC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tokenizer.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    trainer = UnigramTrainer(vocab_size=vocab_size - NUM_SENTINELS, special_tokens=[PAD, EOS, UNK],
+                             unk_token=UNK, show_progress=show_progress, shrinking_factor=0.75, max_piece_length=16)
+    tokenizer.train_from_iterator(texts, trainer=trainer, length=length)
+    learned = tokenizer.get_vocab_size(with_added_tokens=True)
+    if learned != vocab_size - NUM_SENTINELS:
+        raise UserError(f"the training corpus yields only {learned} pieces, fewer than the {vocab_size - NUM_SENTINELS} "
+                        f"needed for --vocab-size {vocab_size}; give more text or lower --vocab-size to "
+                        f"{learned + NUM_SENTINELS}")
+    _add_sentinels(tokenizer)
+    return _save(tokenizer, out_dir)
+
+
+def adopt_tokenizer(source: str | Path, out_dir: str | Path) -> Path:
+    """Copy an existing tokenizer.json into DIR, adding the 100 sentinels on top when none are present.
+
+    `<pad>`, `</s>` and `<unk>` must already be ids 0, 1, 2 (ids cannot move without retraining a model).
+    A post-processor that would append `</s>` is dropped (prep appends `</s>` per document).
+    """
+    source = _resolve(source)
+    tokenizer = _read(source)
+    present = [k for k in range(NUM_SENTINELS) if tokenizer.token_to_id(sentinel_token(k)) is not None]
+    if not present:
+        _add_sentinels(tokenizer)
+    problems = layout_problems(tokenizer)
+    if problems:
+        raise UserError(f"{source}: cannot adopt this tokenizer into the T5 layout ({'; '.join(problems)}); "
+                        f"train a new one with `prep tokenizer --input CORPUS`")
+    spec = json.loads(tokenizer.to_str())
+    spec["post_processor"] = None
+    return _save(Tokenizer.from_str(json.dumps(spec)), out_dir)
+
+
+def batched(texts: Iterable[str], batch_size: int = 1000) -> Iterator[list[str]]:
+    """Group a stream of documents into lists (train_from_iterator accepts batches)."""
+    batch: list[str] = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == batch_size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
