@@ -248,7 +248,10 @@ def stage_comparison(rows: list[dict[str, Any]]) -> str:
             count = f"{len(stage_ok)}/{len(stage_rows)}"
             if not stage_ok:
                 statuses = ", ".join(sorted({r["status"] for r in stage_rows}))
-                body.append([stage_label(zero, offload), "–", "–", "–", "–", "–", "–", "–", f"{count} ({statuses})"])
+                est_gpu = max((r["est_gpu_gib"] for r in stage_rows if r.get("est_gpu_gib") is not None), default=None)
+                est_cpu = max((r["est_cpu_gib"] for r in stage_rows if r.get("est_cpu_gib") is not None), default=None)
+                body.append([stage_label(zero, offload), "–", "–", "–", "–", "–", _fmt(est_gpu, ".3g"),
+                             _fmt(est_cpu, ".3g"), f"{count} ({statuses})"])
                 continue
             best = max(stage_ok, key=lambda r: r["tokens_per_s"])
             body.append([stage_label(zero, offload), _rate(best["tokens_per_s"]),

@@ -31,7 +31,7 @@ import yaml
 
 from pipeline.common import UserError, atomic_write_json
 from pipeline.shard_format import read_manifest
-from pretrain import report
+from pretrain import launch, report
 
 AXES = ("model", "zero", "offload", "micro_batch", "loader_workers", "nproc", "activation_checkpointing")
 AXIS_DEFAULTS: dict[str, list[Any]] = {"offload": ["none"], "loader_workers": [0], "nproc": [1],
@@ -243,7 +243,7 @@ def pretrain_command(grid: StudyGrid, point: Point, shards: Path, run_dir: Path)
                 "--data", str(shards), "--out", str(run_dir), "--steps", str(base.steps),
                 "--micro-batch", str(point.micro_batch), "--global-batch", str(base.global_batch),
                 "--loader-workers", str(point.loader_workers), "--nproc", str(point.nproc),
-                "--seed", str(base.seed), "--force"]
+                "--seed", str(base.seed), "--steady-skip", str(base.skip_steps)]
     for flag, value in (("--lr", base.lr), ("--warmup-steps", base.warmup_steps), ("--schedule", base.schedule)):
         if value is not None:
             command += [flag, str(value)]
@@ -283,7 +283,8 @@ def prepare_shards(grid: StudyGrid, study_dir: Path, data_override: str | None) 
     print(f"preparing the shard set once: {shlex.join(command)}", flush=True)
     result = subprocess.run(command, stderr=subprocess.PIPE, text=True)
     if result.returncode != 0:
-        raise UserError(f"{grid.source}: `prep corpus` failed ({last_error_line(result.stderr)}); "
+        why = ([line for line in result.stderr.splitlines() if line.strip()] or ["no output"])[-1].strip()
+        raise UserError(f"{grid.source}: `prep corpus` failed ({why}); "
                         f"fix the data spec or prepare the shards yourself and pass --data")
     return out
 
@@ -338,28 +339,20 @@ class PointOutcome:
     wall_s: float
 
 
-def last_error_line(stderr: str) -> str:
-    """The line that says why a command failed: the last `...error:` line, else the last non-empty line."""
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    for line in reversed(lines):
-        if re.search(r"\berror:", line, re.IGNORECASE):
-            return line[:300]
-    return lines[-1][:300] if lines else ""
-
-
-def classify(returncode: int | None, timed_out: bool, stderr_text: str, run_dir: Path,
+def classify(returncode: int | None, timed_out: bool, err_path: Path, run_dir: Path,
              timeout_s: float) -> tuple[str, str]:
-    """(status, reason) of a finished launch: ok, oom, timeout or failed."""
+    """(status, reason) of a finished launch: ok, oom (measured, or refused by the memory preflight),
+    timeout or failed. The reason is pretrain's one-line error (its last stderr line that says why)."""
     if timed_out:
         return "timeout", f"no result within timeout_s={timeout_s:g}"
-    reason = last_error_line(stderr_text)
+    reason = launch.last_error_line(err_path)[:400] if returncode != 0 else ""
     if returncode == 0:
         summary = run_dir / "summary.json"
         if not summary.is_file() or not (run_dir / "metrics.jsonl").is_file():
             return "failed", "exited 0 but wrote no summary.json / metrics.jsonl"
         status = json.loads(summary.read_text()).get("status")
         return ("ok", "") if status == "ok" else ("failed", f"summary.json status {status!r}")
-    if re.search(r"out of memory|outofmemory|\boom\b|cannot allocate memory", stderr_text, re.IGNORECASE):
+    if re.search(r"out of memory|outofmemory|\boom\b|cannot allocate memory|will not fit", reason, re.IGNORECASE):
         return "oom", reason or "out of memory"
     return "failed", reason or f"exit status {returncode}"
 
@@ -373,10 +366,11 @@ def _steps_done(metrics_path: Path) -> int:
 
 
 def _stop(process: subprocess.Popen) -> None:
-    """Stop a launched point and everything it spawned (its own process group, by id)."""
+    """Stop a launched point (its own process group, by id): SIGINT first, which pretrain turns into stopping
+    the ranks it spawned (they run in their own sessions), then SIGTERM, then SIGKILL."""
     if process.poll() is not None:
         return
-    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+    for sig, wait_s in ((signal.SIGINT, 20.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
@@ -415,8 +409,7 @@ def launch_point(command: list[str], run_dir: Path, log_dir: Path, timeout_s: fl
                         print(f"\r{prefix} ... step {done}/{steps} {elapsed:.0f}s", end="", flush=True)
         finally:
             _stop(process)
-    stderr_text = err_path.read_text(errors="replace")
-    status, reason = classify(process.returncode, timed_out, stderr_text, run_dir, timeout_s)
+    status, reason = classify(process.returncode, timed_out, err_path, run_dir, timeout_s)
     return PointOutcome(status, reason, process.returncode, time.monotonic() - start)
 
 
@@ -564,8 +557,9 @@ def run_study(grid_path: str | os.PathLike, study_dir: str | os.PathLike, *, dat
             print(f"{prefix} ... skipped ({previous['status']} earlier)", flush=True)
             continue
         command = pretrain_command(grid, point, shards, run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / POINT_FILE).unlink(missing_ok=True)
+        if run_dir.exists():  # a failed or interrupted earlier attempt of this point: start it afresh
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True)
         if not sys.stdout.isatty():
             print(f"{prefix} ...", end="", flush=True)
         outcome = launch_point(command, run_dir, study_dir / LOGS_DIR, grid.base.timeout_s, grid.base.steps, prefix)

@@ -1,0 +1,118 @@
+"""The study report built from a fixed results file: table values, recommendations text, valid PNGs.
+
+    .venv/bin/python -m pytest tests/pretrain/test_report.py -q
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.image  # noqa: E402
+import pytest  # noqa: E402
+
+from pretrain import report  # noqa: E402
+
+ASSET = Path(__file__).resolve().parents[1] / "assets" / "study_results.csv"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return report.read_results_csv(ASSET)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """`study report DIR` run as a user would, on a directory holding only the fixed results.csv."""
+    study_dir = tmp_path_factory.mktemp("study")
+    shutil.copy(ASSET, study_dir / report.RESULTS_CSV)
+    result = subprocess.run([sys.executable, "-m", "pretrain.study_cli", "report", str(study_dir)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return study_dir, result
+
+
+def test_csv_round_trip_keeps_types_and_values(rows, tmp_path):
+    assert len(rows) == 36
+    first = rows[0]
+    assert (first["model"], first["zero"], first["offload"], first["loader_workers"]) == ("mt5-base", 0, "none", 0)
+    assert first["activation_checkpointing"] is False and first["tokens_per_s"] == pytest.approx(56513.0)
+    oom = [r for r in rows if r["status"] == "oom"]
+    assert len(oom) == 3 and all(r["tokens_per_s"] is None for r in oom)
+    report.write_results_csv(rows, tmp_path / "again.csv")
+    assert report.read_results_csv(tmp_path / "again.csv") == rows
+
+
+def test_table_and_stage_comparison_values(rows):
+    table = report.results_table(rows)
+    assert table.count("\n") == len(rows) + 1                  # header, rule, one line per point
+    assert "| mt5-base | ZeRO-1 | 8 | 4 | 2 | off | ok | 61,000 |" in table
+    assert "| mt5-large | ZeRO-0 | 8 | 0 | 2 | off | oom | – |" in table
+    comparison = report.stage_comparison(rows)
+    # mt5-large: ZeRO-2 is the fastest stage (1.00x); ZeRO-1 = 22000 / 23500 of it; ZeRO-0 never fit.
+    assert "| ZeRO-2 | 23.5k tok/s | 1.00x |" in comparison
+    assert f"| ZeRO-1 | 22.0k tok/s | {22000 / 23500:.2f}x |" in comparison
+    assert "| ZeRO-0 | – | – | – | – | – | 18.4 | 0 | 0/3 (oom) |" in comparison   # the estimate, beside the OOM
+
+
+def test_fastest_configuration_follows_the_data(rows):
+    lines = report.fastest_that_fits(rows)
+    assert len(lines) == 2
+    base, large = lines
+    # The recommendation is the row with the highest tokens/s among the points that finished.
+    best_base = max((r for r in rows if r["model"] == "mt5-base" and r["status"] == "ok"),
+                    key=lambda r: r["tokens_per_s"])
+    assert (best_base["zero"], best_base["loader_workers"]) == (1, 4)
+    assert "**mt5-base**: fastest that fits is ZeRO-1, micro batch 8, 4 loader workers: 61.0k tok/s" in base
+    assert "ZeRO-0" in base and "ZeRO-2" in base and "they tie" in base      # 60.0k and 59.8k are within 3%
+    assert "ZeRO-3" not in base                                              # 48k is not a tie
+    assert "fastest that fits is ZeRO-2, micro batch 8, 4 loader workers: 23.5k tok/s" in large
+    assert "oom at ZeRO-0 mb=8" in large and "timeout at ZeRO-1 mb=8" in large
+
+
+def test_fewest_workers_and_when_the_data_cannot_tell(rows):
+    lines = report.fewest_workers(rows)
+    text = "\n".join(lines)
+    assert "- mt5-base, ZeRO-1: 1 loader worker keeps data wait under 1%" in text
+    assert "- mt5-base, ZeRO-2 + cpu offload: 4 loader workers keep data wait under 1%" in text
+    large_offload = next(line for line in lines if line.startswith("- mt5-large, ZeRO-3 + cpu offload"))
+    assert "none of the tried worker counts" in large_offload and "can't tell" in large_offload
+    large_z1 = next(line for line in lines if line.startswith("- mt5-large, ZeRO-1:"))
+    assert "fewest that finished" in large_z1 and "0 workers: timeout" in large_z1
+    # Without the 0-worker points the fewest tried already passes: the data can't tell whether fewer would do.
+    fewer = report.fewest_workers([r for r in rows if r["loader_workers"] != 0 and r["model"] == "mt5-base"])
+    assert any("can't tell whether fewer than 1" in line for line in fewer)
+    # No finished point at all: says so instead of recommending.
+    failed = [dict(r, status="oom") for r in rows if r["model"] == "mt5-large"]
+    assert "no configuration finished" in report.fastest_that_fits(failed)[0]
+    assert report.fewest_workers(failed) == []
+
+
+def test_study_report_cli_writes_markdown_and_valid_pngs(built):
+    study_dir, result = built
+    assert "report:" in result.stdout
+    markdown = (study_dir / report.REPORT_MD).read_text()
+    for heading in ("## Setup", "## Results", "## Per-stage comparison", "## Plots", "## Recommendations"):
+        assert heading in markdown
+    assert "36 points: 32 ok, 3 oom, 1 timeout." in markdown
+    assert "rebuilt from results.csv alone" in markdown
+    for name in report.PLOTS.values():
+        path = study_dir / name
+        assert path.read_bytes()[:8] == PNG_SIGNATURE
+        image = matplotlib.image.imread(path)
+        assert image.shape[0] > 200 and image.shape[1] > 300 and image.std() > 0.01   # not blank
+        assert f"]({name})" in markdown
+    assert report.read_results_csv(study_dir / report.RESULTS_CSV) == report.read_results_csv(ASSET)
+
+
+def test_report_cli_refuses_an_empty_directory(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "pretrain.study_cli", "report", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "study run" in result.stderr and "Traceback" not in result.stderr
