@@ -5,9 +5,10 @@
 A local path is returned as it is. For a URL, the cache holds `<cache_dir>/<protocol>/<bucket>/<key...>/`
 with the same layout as the remote shard set. The remote manifest is read first; each shard is downloaded to
 a temp name beside its final path, checked (size and sha256 against the manifest) and renamed into place;
-the manifest is written last, so its presence in the cache means "complete". A later open of the same URL
-finds the cached manifest and its shards (sizes checked) and touches no network. Pass `refresh=True` to
-re-read the remote manifest and fetch any shard that changed.
+the manifest is written last, so its presence in the cache means "complete". Processes sharing a cache
+(the ranks of one node) take a file lock around the download: one fetches, the others then reuse it.
+A later open of the same URL finds the cached manifest and its shards (sizes checked) and touches no
+network. Pass `refresh=True` to re-read the remote manifest and fetch any shard that changed.
 
 Endpoint: `storage_options` (passed to `fsspec.filesystem`), else `AWS_ENDPOINT_URL` / `AWS_ENDPOINT_URL_S3`
 from the environment for s3. Cache root: `cache_dir`, else `$T5ZERO_CACHE`, else `~/.cache/t5zero`.
@@ -15,6 +16,7 @@ from the environment for s3. Cache root: `cache_dir`, else `$T5ZERO_CACHE`, else
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -85,8 +87,25 @@ def resolve_shard_dir(path_or_url: str | os.PathLike, *, cache_dir: str | os.Pat
     local_dir = cache_path_for(text, cache_dir)
     if not refresh and _cache_complete(local_dir, verify=verify):
         return local_dir
-    _download_shard_set(text, local_dir, storage_options, verify=verify)
+    with _cache_lock(local_dir):  # ranks of one node sharing a cache: one downloads, the others then reuse it
+        if refresh or not _cache_complete(local_dir, verify=verify):
+            _download_shard_set(text, local_dir, storage_options, verify=verify)
     return local_dir
+
+
+@contextlib.contextmanager
+def _cache_lock(local_dir: Path):
+    """An exclusive advisory lock on `<local_dir>.lock` (POSIX flock; released when the holder exits)."""
+    import fcntl
+
+    lock_path = local_dir.with_name(local_dir.name + ".lock")
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
 def _cache_complete(local_dir: Path, *, verify: bool) -> bool:
