@@ -1,0 +1,86 @@
+"""The DeepSpeed config of a run: configs/deepspeed/zero{N}.yaml plus what the flags say.
+
+    ds_config = build_ds_config(train_config, world_size=2, grad_accum=4, accelerator="cpu")
+
+Filled in from the flags: batch sizes (train_batch_size = micro x accumulation x world), the AdamW optimizer
+(torch's AdamW on CPU via "torch_adam"; DeepSpeed's FusedAdam on GPU; DeepSpeedCPUAdam when the optimizer
+is offloaded to the host, which DeepSpeed picks by itself), precision (bf16 on GPU, fp32 on CPU unless the
+flags say otherwise), offload of the optimizer (stages 1-3) and parameters (stage 3) to cpu or nvme,
+gradient clipping and the stage-3 prefetch / persistence tunables. A YAML `deepspeed:` mapping in --config is
+merged last, key by key, for anything else.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import yaml
+
+from pipeline.common import CONFIGS_DIR, UserError
+
+DEEPSPEED_CONFIGS = CONFIGS_DIR / "deepspeed"
+STAGE3_TUNABLES = ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                   "stage3_max_live_parameters", "stage3_max_reuse_distance")
+
+
+def load_stage_template(zero: int) -> dict[str, Any]:
+    path = DEEPSPEED_CONFIGS / f"zero{zero}.yaml"
+    if not path.is_file():
+        raise UserError(f"{path}: missing DeepSpeed template for ZeRO stage {zero}; restore configs/deepspeed/")
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def resolve_precision(precision: str, accelerator: str) -> str:
+    """'auto' -> bf16 on a GPU, fp32 on CPU; explicit choices are kept."""
+    if precision == "auto":
+        return "fp32" if accelerator == "cpu" else "bf16"
+    return precision
+
+
+def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def build_ds_config(config, *, world_size: int, grad_accum: int, accelerator: str) -> dict[str, Any]:
+    """The resolved DeepSpeed config dict for `config` (a pretrain.cli.TrainConfig) on `world_size` ranks."""
+    ds = load_stage_template(config.zero)
+    zero_section = ds.setdefault("zero_optimization", {})
+    zero_section["stage"] = config.zero
+    ds["train_micro_batch_size_per_gpu"] = config.micro_batch
+    ds["gradient_accumulation_steps"] = grad_accum
+    ds["train_batch_size"] = config.micro_batch * grad_accum * world_size
+    ds["gradient_clipping"] = float(config.grad_clip)
+    adam = {"lr": config.lr, "betas": [config.adam_beta1, config.adam_beta2], "eps": config.adam_eps,
+            "weight_decay": config.weight_decay}
+    if accelerator == "cpu":
+        adam["torch_adam"] = True          # no fused CUDA kernels on CPU: torch.optim.AdamW
+        if config.offload != "none":
+            ds["zero_force_ds_cpu_optimizer"] = False
+    ds["optimizer"] = {"type": "AdamW", "params": adam}
+    precision = resolve_precision(config.precision, accelerator)
+    ds["bf16"] = {"enabled": precision == "bf16"}
+    ds["fp16"] = {"enabled": False}
+    if config.offload != "none":
+        target = {"device": config.offload, "pin_memory": accelerator != "cpu"}
+        if config.offload == "nvme":
+            target["nvme_path"] = config.nvme_path
+        zero_section["offload_optimizer"] = dict(target)
+        if config.zero == 3:
+            zero_section["offload_param"] = dict(target)
+    if config.zero == 3:
+        for name in STAGE3_TUNABLES:
+            value = getattr(config, name)
+            if value is not None:
+                zero_section[name] = int(value)
+    elif any(getattr(config, name) is not None for name in STAGE3_TUNABLES):
+        raise UserError("the --stage3-* tunables apply to --zero 3 only; drop them or use --zero 3")
+    if config.deepspeed:
+        ds = deep_merge(ds, config.deepspeed)
+    return ds

@@ -1,0 +1,153 @@
+"""Launch shapes: `--nproc N` spawns N local ranks; under torchrun or the `deepspeed` launcher each process is one rank.
+
+    launch(config, argv)   # preflight, then run this process as a rank or spawn config.nproc local ranks
+
+Local spawning starts `python -m pretrain.cli ARGV` N times with RANK / LOCAL_RANK / WORLD_SIZE /
+MASTER_ADDR=127.0.0.1 / MASTER_PORT=<free port>, the same variables torchrun and the deepspeed launcher set,
+so every rank runs one code path (`pretrain.trainer.run_rank`). Rank 0's stdout is the console; every
+rank's stderr goes to RUN_DIR/logs/rank-R.log. When a rank fails, the others are stopped and the failure's
+last line becomes the one-line reason on stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.common import REPO_ROOT, UserError
+
+SPAWNED_ENV = "T5ZERO_SPAWNED"   # set in ranks started by `--nproc`: the parent already ran the preflight
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """Where this process sits in the job, read from the launcher's environment variables."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    launched: bool      # True under torchrun / deepspeed / our own spawner
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def rank_env(environ: dict[str, str] | None = None) -> RankEnv:
+    """Read RANK, LOCAL_RANK, WORLD_SIZE (and LOCAL_WORLD_SIZE) as torchrun and deepspeed set them."""
+    env = os.environ if environ is None else environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return RankEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, launched=False)
+    world_size = int(env["WORLD_SIZE"])
+    return RankEnv(rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", 0)), world_size=world_size,
+                   local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)), launched=True)
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(config, argv: list[str]) -> int:
+    """Run the preflight once, then train in this process (launched / nproc 1) or spawn local ranks."""
+    from pretrain import preflight
+
+    env = rank_env()
+    world_size = env.world_size if env.launched else config.nproc
+    spawned = os.environ.get(SPAWNED_ENV) == "1"
+    plan = preflight.run_preflight(config, world_size=world_size, local_world_size=(
+        env.local_world_size if env.launched else config.nproc), announce=env.is_main and not spawned)
+    if env.launched:
+        from pretrain import trainer
+        return trainer.run_rank(config, plan, env)
+    if config.nproc == 1:
+        return _run_single(config, plan)
+    return spawn_local(argv, config.nproc, Path(config.out))
+
+
+def _run_single(config, plan) -> int:
+    """One rank in this very process: set the rendezvous variables a launcher would, then train."""
+    from pretrain import trainer
+
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    return trainer.run_rank(config, plan, rank_env())
+
+
+def spawn_local(argv: list[str], nproc: int, run_dir: Path) -> int:
+    """Start `nproc` ranks of `python -m pretrain.cli ARGV` on this machine and wait for all of them."""
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    ranks: list[tuple[subprocess.Popen, Path]] = []
+    for rank in range(nproc):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   **{SPAWNED_ENV: "1"})
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        log_path = log_dir / f"rank-{rank}.log"
+        log = open(log_path, "w")
+        stdout = None if rank == 0 else log
+        process = subprocess.Popen([sys.executable, "-m", "pretrain.cli", *argv], env=env, stdout=stdout,
+                                   stderr=log, start_new_session=True)
+        log.close()
+        ranks.append((process, log_path))
+    try:
+        return _wait_all(ranks)
+    except KeyboardInterrupt:
+        _stop_all(ranks)
+        raise
+
+
+def _wait_all(ranks: list[tuple[subprocess.Popen, Path]]) -> int:
+    """Wait for every rank; on the first failure stop the others and raise its reason as a UserError."""
+    while True:
+        codes = [process.poll() for process, _ in ranks]
+        failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            rank = failed[0]
+            time.sleep(1.0)      # let a collective failure surface in the other logs first
+            _stop_all(ranks)
+            process, log_path = ranks[rank]
+            raise UserError(f"rank {rank} failed (exit {process.returncode}): {last_error_line(log_path)} "
+                            f"(full log: {log_path})")
+        if all(code == 0 for code in codes):
+            return 0
+        time.sleep(0.2)
+
+
+def _stop_all(ranks: list[tuple[subprocess.Popen, Path]]) -> None:
+    for process, _ in ranks:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    for process, _ in ranks:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def last_error_line(log_path: Path) -> str:
+    """The line of a rank's log that says why it stopped: our one-line error, else the exception's last line."""
+    try:
+        lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "no log"
+    for line in reversed(lines):
+        if line.startswith("pretrain: error:"):
+            return line[len("pretrain: error:"):].strip()
+    for line in reversed(lines):
+        if "Error" in line.split(":")[0] or line.startswith(("RuntimeError", "torch.OutOfMemoryError")):
+            return line
+    return lines[-1] if lines else "no output"

@@ -1,0 +1,145 @@
+"""Per-step measurements of a run: metrics.jsonl, TensorBoard, the console progress line and summary.json.
+
+    log = MetricsLog(run_dir, resume_from_step=0, enabled=rank == 0); log.write(record); log.close()
+
+A step's record (DESIGN.md "Trainer"): step, loss, lr, step_time_s, data_wait_s, compute_s, tokens,
+tokens_per_s, samples_per_s, tflops_per_gpu, mfu, peak_mem_gib, zero_stage, offload, world_size,
+micro_batch, grad_accum, loader_workers (+ consumed_samples, batch_checksum, grad_norm). data_wait_s is
+the time the step spent blocked in next(loader), summed over its micro-batches; compute_s the rest;
+step_time_s = data_wait_s + compute_s. MFU divides tflops_per_gpu by the device's peak (PEAK_TFLOPS,
+dense bf16: 790 TFLOP/s for H100/H200, what an 8192^3 bf16 matmul reaches there); on CPU there is no
+meaningful peak, so mfu is null unless --peak-tflops names one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+from pathlib import Path
+from typing import Any
+
+from pipeline.common import atomic_write_bytes, atomic_write_json
+
+METRICS_NAME = "metrics.jsonl"
+SUMMARY_NAME = "summary.json"
+PEAK_TFLOPS = {"H200": {"bf16": 790.0, "fp32": 67.0}, "H100": {"bf16": 790.0, "fp32": 67.0},
+               "A100": {"bf16": 312.0, "fp32": 19.5}}
+STEP_KEYS = ("step", "loss", "lr", "step_time_s", "data_wait_s", "compute_s", "tokens", "tokens_per_s",
+             "samples_per_s", "tflops_per_gpu", "mfu", "peak_mem_gib", "zero_stage", "offload", "world_size",
+             "micro_batch", "grad_accum", "loader_workers")
+
+
+def peak_tflops_for(device_name: str, precision: str, override: float | None) -> float | None:
+    """Per-device peak TFLOP/s for MFU: the flag, else the table by device name, else None (CPU)."""
+    if override:
+        return float(override)
+    for key, peaks in PEAK_TFLOPS.items():
+        if key in device_name:
+            return peaks.get(precision)
+    return None
+
+
+def host_peak_rss_gib() -> float:
+    """This process's peak resident set size (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
+
+
+class MetricsLog:
+    """Rank 0's writer of metrics.jsonl (one JSON line per step, flushed), TensorBoard scalars and the console."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, resume_from_step: int, total_steps: int, enabled: bool,
+                 log_every: int = 1):
+        self.run_dir = Path(run_dir)
+        self.total_steps = total_steps
+        self.enabled = enabled
+        self.log_every = log_every
+        self._file = None
+        self._tb = None
+        if not enabled:
+            return
+        path = self.run_dir / METRICS_NAME
+        self.previous = read_metrics(path, up_to_step=resume_from_step) if resume_from_step else []
+        # a resumed run keeps the steps up to its checkpoint and drops any the interrupted run logged later
+        atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in self.previous).encode())
+        self._file = open(path, "a")
+        from torch.utils.tensorboard import SummaryWriter
+        self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=resume_from_step + 1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        for key in ("loss", "lr", "step_time_s", "data_wait_s", "tokens_per_s", "tflops_per_gpu", "mfu",
+                    "peak_mem_gib", "grad_norm"):
+            if record.get(key) is not None:
+                self._tb.add_scalar(f"train/{key}", record[key], record["step"])
+        if record["step"] % self.log_every == 0 or record["step"] == self.total_steps:
+            print(progress_line(record, self.total_steps), flush=True)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def progress_line(record: dict[str, Any], total_steps: int) -> str:
+    """`step 12/100 | loss 5.4321 | lr 1.00e-03 | 12,345 tok/s | MFU 41.2% | data-wait 0.3% | 0.52 s/step`."""
+    share = record["data_wait_s"] / record["step_time_s"] if record["step_time_s"] > 0 else 0.0
+    mfu = f"{100 * record['mfu']:.1f}%" if record.get("mfu") is not None else "n/a"
+    return (f"step {record['step']}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"{record['tokens_per_s']:,.0f} tok/s | MFU {mfu} | data-wait {100 * share:.1f}% | "
+            f"{record['step_time_s']:.3f} s/step | mem {record['peak_mem_gib']:.2f} GiB")
+
+
+def read_metrics(path: str | os.PathLike, up_to_step: int | None = None) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (a torn last line from a killed run is skipped)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if up_to_step is None or record["step"] <= up_to_step:
+            records.append(record)
+    return records
+
+
+def summarize(records: list[dict[str, Any]], *, steady_skip: int, status: str, **extra: Any) -> dict[str, Any]:
+    """summary.json: status, steps, and medians over the steady-state steps (the first `steady_skip`
+    steps of this launch left out, at least one step kept)."""
+    steady = records[min(steady_skip, max(0, len(records) - 1)):]
+
+    def median(key: str):
+        values = [r[key] for r in steady if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    step_time = median("step_time_s")
+    data_wait = median("data_wait_s")
+    summary = {
+        "status": status,
+        "steps": records[-1]["step"] if records else 0,
+        "steady_steps": len(steady),
+        "final_loss": records[-1]["loss"] if records else None,
+        "median": {key: median(key) for key in ("step_time_s", "data_wait_s", "compute_s", "tokens_per_s",
+                                                "samples_per_s", "tflops_per_gpu", "mfu")},
+        "data_wait_share": (sum(r["data_wait_s"] for r in steady) / sum(r["step_time_s"] for r in steady)
+                            if steady and sum(r["step_time_s"] for r in steady) > 0 else None),
+        "peak_mem_gib": max((r["peak_mem_gib"] for r in records), default=None),
+    }
+    if step_time and data_wait is not None:
+        summary["median"]["data_wait_share"] = data_wait / step_time
+    summary.update(extra)
+    return summary
+
+
+def write_summary(run_dir: str | os.PathLike, summary: dict[str, Any]) -> None:
+    atomic_write_json(Path(run_dir) / SUMMARY_NAME, summary)

@@ -1,0 +1,274 @@
+"""Preflight: everything `pretrain` checks before it spawns a rank or builds a model.
+
+    plan = run_preflight(config, world_size=2, local_world_size=2, announce=True)
+
+1. The shard set against the model: the model vocabulary (resolved here, see `resolve_vocab_size`) holds the
+   tokenizer's ids and sentinels, pad/eos agree, lengths equal `--input-length/--target-length` when given,
+   the tokenizer file's sha256 equals the manifest's when `--tokenizer` is given, one global batch fits.
+2. Memory: DeepSpeed's own estimators for the model states (`estimate_zero2_model_states_mem_needs`,
+   `estimate_zero3_model_states_mem_needs`; stages 0 and 1 by the same byte counting, written out below)
+   plus a rough activation estimate, printed beside the devices' memory. A run that cannot fit is refused
+   unless `--force`.
+
+Memory formula (bytes per parameter P, N data-parallel ranks, mixed precision bf16 as DeepSpeed assumes):
+stage 0: 2 (bf16 params) + 2 (bf16 grads) + 4 (fp32 grads) + 4 (fp32 master) + 8 (Adam m, v) = 20 P per GPU;
+stage 1: 4 P + 16 P / N (the fp32 part partitioned); stages 2 and 3: DeepSpeed's estimators. fp32 runs
+(CPU) count 4 (params) + 4 (grads) + 8 (Adam) = 16 P, of which stage 1 partitions the 8, stage 2 the 12,
+stage 3 all 16 (plus the largest layer gathered). Host memory includes the fp32 model each rank builds.
+Activations per micro-batch (elements, summed over layers): encoder layer L_in*(10 d + 4 inner + 3 d_ff) +
+heads*L_in^2, decoder layer L_t*(14 d + 6 inner + 3 d_ff) + 2 inner*L_in + heads*(L_t^2 + L_t*L_in), plus
+the chunked loss's logits; with activation checkpointing, one d-vector per token per layer plus one layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.common import UserError, sha256_file
+
+GIB = float(1 << 30)
+VOCAB_MULTIPLE = 128
+FIT_FRACTION = 0.92        # refuse when the estimate exceeds this share of the device's memory
+
+
+@dataclass
+class Plan:
+    """What the preflight resolved: model shape, lengths, batch layout, the memory estimate."""
+
+    model_config: Any                    # pretrain.model.T5Config with the resolved vocabulary
+    vocab_note: str
+    input_length: int
+    target_length: int
+    num_examples: int
+    world_size: int
+    grad_accum: int
+    global_batch: int
+    shard_fingerprint: str
+    tokenizer_sha256: str
+    device: dict[str, Any]
+    memory_estimate: dict[str, Any]
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["model_config"] = self.model_config.to_dict()
+        return out
+
+
+def resolve_vocab_size(preset_vocab: int, tokenizer_vocab: int, pinned: int | None) -> tuple[int, str]:
+    """Model vocabulary for a shard set: pinned if given; the preset's (published) size when the tokenizer
+    fits in it; else the tokenizer's size rounded up to a multiple of 128."""
+    if pinned is not None:
+        if pinned < tokenizer_vocab:
+            raise UserError(f"--vocab-size {pinned} is smaller than the shard set's tokenizer ({tokenizer_vocab} "
+                            f"ids); pin at least {tokenizer_vocab} or drop --vocab-size")
+        return pinned, f"pinned by --vocab-size ({pinned})"
+    if tokenizer_vocab <= preset_vocab:
+        return preset_vocab, f"preset size {preset_vocab} kept (tokenizer has {tokenizer_vocab} ids)"
+    rounded = math.ceil(tokenizer_vocab / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    return rounded, (f"tokenizer has {tokenizer_vocab} ids > preset {preset_vocab}: using {rounded} "
+                     f"(rounded up to a multiple of {VOCAB_MULTIPLE})")
+
+
+def check_shards_fit_model(manifest: dict[str, Any], where: str, model_config, config) -> None:
+    """Refuse (UserError) a shard set whose tokenizer or lengths the model cannot take."""
+    tok = manifest["tokenizer"]
+    vocab = model_config.vocab_size
+    for name in ("sentinel_first_id", "sentinel_last_id", "vocab_size"):
+        if name not in tok:
+            raise UserError(f"{where}: manifest tokenizer section lacks {name}; rebuild with `prep corpus`")
+    highest = max(int(tok["sentinel_first_id"]), int(tok["sentinel_last_id"]), int(tok["vocab_size"]) - 1)
+    if highest >= vocab:
+        raise UserError(f"{where}: token ids reach {highest} (tokenizer of {tok['vocab_size']} ids, sentinels "
+                        f"{tok['sentinel_last_id']}..{tok['sentinel_first_id']}) but the model vocabulary is {vocab}; "
+                        f"raise --vocab-size to >= {highest + 1} or use a shard set made with a smaller tokenizer")
+    for name, model_id in (("pad_id", model_config.pad_token_id), ("eos_id", model_config.eos_token_id)):
+        if name in tok and int(tok[name]) != model_id:
+            raise UserError(f"{where}: tokenizer {name} is {tok[name]}, the model expects {model_id} (T5 layout); "
+                            f"rebuild the tokenizer with `prep tokenizer` and the shards with `prep corpus`")
+    if config.tokenizer:
+        path = Path(config.tokenizer)
+        if not path.is_file():
+            raise UserError(f"{path}: --tokenizer file not found; pass the tokenizer.json the shards were made with")
+        have = sha256_file(path)
+        if have != tok.get("sha256"):
+            raise UserError(f"{where}: shards were built with tokenizer sha256 {str(tok.get('sha256'))[:12]}.., "
+                            f"but --tokenizer {path} has {have[:12]}..; rebuild the shards with this tokenizer "
+                            f"(`prep corpus --tokenizer {path}`) or pass the tokenizer they were made with")
+    lengths = manifest["config"]
+    for name in ("input_length", "target_length"):
+        want = getattr(config, name)
+        if want is not None and int(lengths[name]) != int(want):
+            raise UserError(f"{where}: shards have {name} {lengths[name]}, the run asks for {want}; rebuild the "
+                            f"shard set with `prep corpus --{name.replace('_', '-')} {want}` or drop the flag")
+        if int(lengths[name]) < 2:
+            raise UserError(f"{where}: {name} {lengths[name]} is too short to train on; rebuild with a longer one")
+
+
+def estimate_memory(model_config, *, zero: int, offload: str, precision: str, world_size: int,
+                    local_world_size: int, micro_batch: int, input_length: int, target_length: int,
+                    activation_checkpointing: bool) -> dict[str, Any]:
+    """Per-device and per-node host memory (GiB) for the model states at this stage/offload, plus activations."""
+    from pretrain.flops import count_parameters
+
+    params = count_parameters(model_config)
+    largest_layer = model_config.vocab_size * model_config.d_model
+    nodes = max(1, world_size // max(1, local_world_size))
+    per_node = max(1, local_world_size)
+    cpu_offload = offload != "none"
+    if precision == "fp32":   # DeepSpeed's estimators assume 16-bit params: count 4 + 4 + 8 bytes/param instead
+        device_params, grads, optimizer = 4 * params, 4 * params, 8 * params
+        partitioned = {0: 0, 1: optimizer, 2: grads + optimizer, 3: device_params + grads + optimizer}[zero]
+        gpu_bytes = device_params + grads + optimizer - partitioned + partitioned / world_size
+        if cpu_offload:
+            gpu_bytes -= optimizer / world_size
+        if zero == 3:
+            gpu_bytes += 4 * largest_layer
+        cpu_bytes = 4 * params * per_node * 1.5 + (optimizer * per_node / world_size * 1.5 if cpu_offload else 0)
+        method = f"byte count of pretrain/preflight.py (stage {zero}, fp32)"
+    elif zero == 3:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        cpu_bytes, gpu_bytes, _ = estimate_zero3_model_states_mem_needs(
+            params, largest_layer, num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=cpu_offload,
+            cpu_offload_params=cpu_offload, zero_init=False)
+        method = "deepspeed estimate_zero3_model_states_mem_needs(zero_init=False)"
+    elif zero == 2:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+        cpu_bytes, gpu_bytes = estimate_zero2_model_states_mem_needs(
+            params, num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=cpu_offload)
+        method = "deepspeed estimate_zero2_model_states_mem_needs"
+    else:   # stages 0 and 1: bf16 params + grads (2 + 2), fp32 grads + master + Adam (4 + 4 + 8)
+        shards = world_size if zero == 1 else 1
+        if cpu_offload:
+            gpu_bytes = 4 * params
+            cpu_bytes = 16 * params * per_node / shards * 1.5
+        else:
+            gpu_bytes = 4 * params + 16 * params / shards
+            cpu_bytes = 4 * params * per_node * 1.5      # each rank builds the fp32 model on the host first
+        method = f"byte count of pretrain/preflight.py (stage {zero}, bf16)"
+    act_bytes = activation_bytes(model_config, micro_batch, input_length, target_length,
+                                 2 if precision == "bf16" else 4, activation_checkpointing)
+    per_gpu = (gpu_bytes + act_bytes) / GIB
+    return {"per_gpu_gib": round(per_gpu, 3), "per_cpu_gib": round(cpu_bytes / GIB, 3),
+            "model_states_gib": round(gpu_bytes / GIB, 3), "activations_gib": round(act_bytes / GIB, 3),
+            "parameters": params, "method": method + " + activations (pretrain/preflight.py)"}
+
+
+def activation_bytes(c, micro_batch: int, input_length: int, target_length: int, bytes_per_element: int,
+                     checkpointing: bool) -> int:
+    """Rough stored-activation size of one micro-batch (formula in the module docstring)."""
+    d, inner, ff, heads = c.d_model, c.inner_dim, c.d_ff, c.num_heads
+    encoder_layer = input_length * (10 * d + 4 * inner + 3 * ff) + heads * input_length ** 2
+    decoder_layer = (target_length * (14 * d + 6 * inner + 3 * ff) + 2 * inner * input_length
+                     + heads * (target_length ** 2 + target_length * input_length))
+    logits = min(c.loss_chunk_tokens, micro_batch * target_length) * c.vocab_size * 2 * 4 // bytes_per_element
+    if checkpointing:
+        layers = (c.num_layers * input_length + c.num_decoder_layers * target_length) * d
+        stored = layers + max(encoder_layer, decoder_layer)
+    else:
+        stored = c.num_layers * encoder_layer + c.num_decoder_layers * decoder_layer
+    return int((micro_batch * stored + logits) * bytes_per_element)
+
+
+def device_memory(world_size_local: int) -> dict[str, Any]:
+    """The devices this node trains on: GPU name/count/memory, or the host's RAM when there is no GPU."""
+    import psutil
+    import torch
+
+    host_total = psutil.virtual_memory().total / GIB
+    host_available = psutil.virtual_memory().available / GIB
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return {"kind": "cuda", "name": props.name, "count": torch.cuda.device_count(),
+                "per_device_gib": round(props.total_memory / GIB, 2), "host_total_gib": round(host_total, 2),
+                "host_available_gib": round(host_available, 2)}
+    return {"kind": "cpu", "name": "cpu", "count": world_size_local, "per_device_gib": None,
+            "host_total_gib": round(host_total, 2), "host_available_gib": round(host_available, 2)}
+
+
+def check_fit(estimate: dict[str, Any], device: dict[str, Any], local_world_size: int, force: bool,
+              what: str) -> list[str]:
+    """Refuse (UserError) when the estimate does not fit; with --force return the reason as a warning."""
+    problems = []
+    if device["kind"] == "cuda":
+        if local_world_size > device["count"]:
+            raise UserError(f"{local_world_size} ranks on this node but {device['count']} GPU(s) visible; "
+                            f"use --nproc {device['count']} (or fewer)")
+        if estimate["per_gpu_gib"] > FIT_FRACTION * device["per_device_gib"]:
+            problems.append(f"needs ~{estimate['per_gpu_gib']:.1f} GiB per GPU, {device['name']} has "
+                            f"{device['per_device_gib']:.1f} GiB")
+        host_need = estimate["per_cpu_gib"]
+    else:   # CPU training: the ranks' model states and activations live in host memory too
+        host_need = estimate["per_cpu_gib"] + estimate["per_gpu_gib"] * local_world_size
+    if host_need > FIT_FRACTION * device["host_available_gib"]:
+        problems.append(f"needs ~{host_need:.1f} GiB of host memory on this node, {device['host_available_gib']:.1f}"
+                        f" GiB available")
+    if problems and not force:
+        raise UserError(f"{what} will not fit: {'; '.join(problems)}; try a higher --zero stage, --offload cpu, "
+                        f"--activation-checkpointing or a smaller --micro-batch (or --force to try anyway)")
+    return problems
+
+
+def run_preflight(config, *, world_size: int, local_world_size: int, announce: bool) -> Plan:
+    """All checks in order; prints the plan and the memory table when `announce`."""
+    from pretrain.data import ShardDataset
+    from pretrain.model import load_config
+
+    dataset = ShardDataset(config.data, input_length=config.input_length, target_length=config.target_length,
+                           cache_dir=config.cache_dir)
+    manifest = dataset.manifest
+    where = f"{dataset.root}/manifest.json"
+    preset = load_config(config.model, **config.model_overrides)
+    vocab_size, vocab_note = resolve_vocab_size(preset.vocab_size, int(manifest["tokenizer"]["vocab_size"]),
+                                                config.vocab_size)
+    model_config = dataclasses.replace(preset, vocab_size=vocab_size,
+                                       activation_checkpointing=config.activation_checkpointing)
+    check_shards_fit_model(manifest, where, model_config, config)
+    grad_accum = config.grad_accum(world_size)
+    global_batch = config.resolved_global_batch(world_size)
+    if len(dataset) < global_batch:
+        raise UserError(f"{where}: {len(dataset)} examples, fewer than one global batch of {global_batch}; "
+                        f"use a smaller --global-batch or a larger shard set")
+    device = device_memory(local_world_size)
+    precision = config.precision if config.precision != "auto" else ("bf16" if device["kind"] == "cuda" else "fp32")
+    estimate = estimate_memory(model_config, zero=config.zero, offload=config.offload, precision=precision,
+                               world_size=world_size, local_world_size=local_world_size,
+                               micro_batch=config.micro_batch, input_length=dataset.input_length,
+                               target_length=dataset.target_length,
+                               activation_checkpointing=config.activation_checkpointing)
+    what = f"{model_config.name} at ZeRO {config.zero} (offload {config.offload}, micro batch {config.micro_batch})"
+    warnings = check_fit(estimate, device, local_world_size, config.force, what)
+    plan = Plan(model_config=model_config, vocab_note=vocab_note, input_length=dataset.input_length,
+                target_length=dataset.target_length, num_examples=len(dataset), world_size=world_size,
+                grad_accum=grad_accum, global_batch=global_batch, shard_fingerprint=str(manifest["fingerprint"]),
+                tokenizer_sha256=str(manifest["tokenizer"].get("sha256")), device=device,
+                memory_estimate=estimate, warnings=warnings)
+    if announce:
+        print(describe(plan, config, precision), flush=True)
+    return plan
+
+
+def describe(plan: Plan, config, precision: str) -> str:
+    """The preflight's printed summary: data, model, batch layout and memory estimate beside the devices."""
+    est, dev = plan.memory_estimate, plan.device
+    if dev["kind"] == "cuda":
+        devices = f"{dev['count']} x {dev['name']} ({dev['per_device_gib']:.1f} GiB each)"
+    else:
+        devices = f"CPU only, host RAM {dev['host_available_gib']:.1f} / {dev['host_total_gib']:.1f} GiB available"
+    lines = [
+        f"[preflight] data: {config.data} ({plan.num_examples} examples, input {plan.input_length}, "
+        f"target {plan.target_length}, fingerprint {plan.shard_fingerprint[:12]})",
+        f"[preflight] model: {plan.model_config.name}, {est['parameters'] / 1e6:.1f}M params, vocab "
+        f"{plan.vocab_note}",
+        f"[preflight] batch: {plan.world_size} rank(s) x micro {config.micro_batch} x accum {plan.grad_accum} = "
+        f"global {plan.global_batch}; ZeRO {config.zero}, offload {config.offload}, {precision}",
+        f"[preflight] memory estimate: {est['per_gpu_gib']:.2f} GiB per device (states {est['model_states_gib']:.2f}"
+        f" + activations {est['activations_gib']:.2f}), {est['per_cpu_gib']:.2f} GiB host per node; devices: "
+        f"{devices}",
+    ]
+    lines += [f"[preflight] WARNING (--force): {warning}" for warning in plan.warnings]
+    return "\n".join(lines)
