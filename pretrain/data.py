@@ -130,17 +130,21 @@ class ShardDataset:
         inputs, labels = chunks[chunk]
         return {"input_ids": inputs[row], "labels": labels[row]}
 
-    def get_batch(self, indices, dtype=np.int32) -> tuple[np.ndarray, np.ndarray]:
+    def get_batch(self, indices, dtype=np.int32, *, out: tuple[np.ndarray, np.ndarray] | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
         """Rows `indices` (in that order) as two arrays [n, input_length], [n, target_length] of `dtype`.
 
-        One fancy-indexing gather per record batch touched, written straight into the output arrays.
+        One fancy-indexing gather per record batch touched, written straight into the output arrays
+        (`out`, when given: two writable arrays of those shapes, e.g. views of one shared buffer).
         """
         chunks, offsets = self._mapped()
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
         if indices.size and (indices.min() < 0 or indices.max() >= self.num_examples):
             raise IndexError(f"indices outside [0, {self.num_examples})")
-        inputs = np.empty((indices.size, self.input_length), dtype=dtype)
-        labels = np.empty((indices.size, self.target_length), dtype=dtype)
+        if out is None:
+            out = (np.empty((indices.size, self.input_length), dtype=dtype),
+                   np.empty((indices.size, self.target_length), dtype=dtype))
+        inputs, labels = out
         chunk_of = np.searchsorted(offsets, indices, side="right") - 1
         for chunk in np.unique(chunk_of):
             where = np.flatnonzero(chunk_of == chunk)
@@ -260,32 +264,64 @@ class GlobalOrderSampler(Sampler[int]):
         self.rank_position = full * self.rank_batch_size + partial // self.world_size
 
 
-class _MicroBatchSampler:
-    """Yields this rank's micro-batches (index arrays) of the current epoch, from the loader's position."""
+FETCH_BYTES = 4 << 20  # size of one DataLoader task: a group of consecutive micro-batches, as one tensor
 
-    def __init__(self, sampler: GlobalOrderSampler, micro_batch_size: int):
+
+class _MicroBatchGroups:
+    """Batch sampler: this rank's micro-batches of the current epoch from the loader's position, in groups.
+
+    A group is up to `group` consecutive micro-batches (aligned to multiples of `group` from the epoch's
+    start) as one [n_micro, micro_batch_size] index array: one worker task, one inter-process message.
+    """
+
+    def __init__(self, sampler: GlobalOrderSampler, micro_batch_size: int, group: int):
         self.sampler = sampler
         self.micro_batch_size = micro_batch_size
+        self.group = group
 
     def __iter__(self) -> Iterator[np.ndarray]:
-        flat = self.sampler.epoch_indices(self.sampler.epoch).reshape(-1)
-        micro_batches = flat.reshape(-1, self.micro_batch_size)
+        micro_batches = self.sampler.epoch_indices(self.sampler.epoch).reshape(-1, self.micro_batch_size)
         first = self.sampler.rank_position // self.micro_batch_size
-        yield from micro_batches[first:]
+        cuts = np.arange(-(-first // self.group) * self.group, len(micro_batches), self.group)
+        yield from (g for g in np.split(micro_batches[first:], cuts[cuts > first] - first) if len(g))
 
     def __len__(self) -> int:
-        return len(self.sampler) // self.micro_batch_size
+        return -(-len(self.sampler) // (self.micro_batch_size * self.group))
 
 
-def _collate_micro_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return batch  # the dataset's __getitems__ already returns the collated tensors
+class _PackedFetch:
+    """Dataset view for the DataLoader: a group of micro-batches -> one flat int64 tensor (inputs, then labels).
+
+    One tensor (one storage) per task keeps the worker->main hand-over and the pinning to a single buffer.
+    """
+
+    def __init__(self, dataset: ShardDataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitems__(self, group: np.ndarray) -> torch.Tensor:
+        rows = group.size
+        input_size = rows * self.dataset.input_length
+        packed = torch.empty(input_size + rows * self.dataset.target_length, dtype=torch.int64)
+        flat = packed.numpy()
+        self.dataset.get_batch(group.reshape(-1), out=(flat[:input_size].reshape(rows, -1),
+                                                       flat[input_size:].reshape(rows, -1)))
+        return packed
+
+
+def _collate_packed(packed: torch.Tensor) -> torch.Tensor:
+    return packed  # _PackedFetch already returns the one tensor of the group
 
 
 class ShardLoader:
     """Micro-batches {"input_ids", "labels"} (int64 tensors) forever; resumable. Build it with `make_loader`.
 
-    `grad_accum` micro-batches make this rank's share of one global batch. Positions are counted when the
-    consumer receives a batch, never when a worker prefetches it.
+    `grad_accum` micro-batches make this rank's share of one global batch. Each DataLoader task fetches a
+    group of `fetch_group` consecutive micro-batches (about FETCH_BYTES) as one tensor, so a worker hands
+    over one message per group and `prefetch_factor` counts groups. Positions are counted as the consumer receives each micro-batch,
+    never when a worker prefetches it.
     """
 
     def __init__(self, dataset: ShardDataset, sampler: GlobalOrderSampler, micro_batch_size: int, *,
@@ -300,29 +336,36 @@ class ShardLoader:
         self.micro_batch_size = micro_batch_size
         self.grad_accum = sampler.rank_batch_size // micro_batch_size
         self.num_workers = num_workers
-        self._batches = _MicroBatchSampler(sampler, micro_batch_size)
+        micro_bytes = 8 * micro_batch_size * (dataset.input_length + dataset.target_length)
+        self.fetch_group = max(1, FETCH_BYTES // micro_bytes)
+        self._groups = _MicroBatchGroups(sampler, micro_batch_size, self.fetch_group)
         workers = num_workers > 0
         self.dataloader = DataLoader(
-            dataset, batch_sampler=self._batches, collate_fn=_collate_micro_batch, num_workers=num_workers,
-            pin_memory=pin_memory, prefetch_factor=prefetch_factor if workers else None,
+            _PackedFetch(dataset), batch_sampler=self._groups, collate_fn=_collate_packed,
+            num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor if workers else None,
             persistent_workers=persistent_workers and workers,
             # the DataLoader draws worker seeds from its generator: give it one so global RNG stays untouched
             generator=torch.Generator().manual_seed(sampler.seed))
         self._iterating = False
 
-    @property
-    def micro_batches_per_epoch(self) -> int:
-        return len(self._batches)
-
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         self._iterating = True
-        sampler = self.sampler
+        sampler, micro = self.sampler, self.micro_batch_size
+        input_length, target_length = self.dataset.input_length, self.dataset.target_length
         while True:
-            for batch in self.dataloader:
-                sampler.rank_position += self.micro_batch_size  # counted as the consumer takes it
-                yield batch
+            for packed in self.dataloader:
+                rows = packed.numel() // (input_length + target_length)
+                inputs = packed[:rows * input_length].view(rows, input_length)
+                labels = packed[rows * input_length:].view(rows, target_length)
+                for start in range(0, rows, micro):
+                    sampler.rank_position += micro  # counted as the consumer takes it
+                    yield {"input_ids": inputs[start:start + micro], "labels": labels[start:start + micro]}
             sampler.epoch += 1
             sampler.rank_position = 0
+
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        return len(self.sampler) // self.micro_batch_size
 
     def close(self) -> None:
         """Shut down the worker processes now (they also stop when the loader is garbage-collected)."""

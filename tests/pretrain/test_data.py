@@ -188,11 +188,19 @@ def expected_state(global_batches_done: int) -> dict:
     return {"seed": SEED, "epoch": epoch, "consumed_samples": (in_epoch + 1) * GLOBAL_BATCH}
 
 
+@pytest.mark.parametrize("group_rows", [None, 6], ids=["fetch-epoch", "fetch-3-micro"])
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("first_stop", [0, 1, 2, PER_EPOCH, PER_EPOCH + 1],
                          ids=["at-0", "after-1", "after-k", "after-last-of-epoch", "after-first-of-next"])
-def test_resume_twice_equals_the_uninterrupted_run(dataset, reference, workers, first_stop):
-    """Interrupt after `first_stop` global batches, resume, interrupt 2 batches later, resume to the end."""
+def test_resume_twice_equals_the_uninterrupted_run(dataset, reference, workers, first_stop, group_rows,
+                                                   monkeypatch):
+    """Interrupt after `first_stop` global batches, resume, interrupt 2 batches later, resume to the end.
+
+    Tasks fetch the rest of the epoch at once (these rows are tiny) or 3 micro-batches, which do not line
+    up with the 4 micro-batches of a global batch.
+    """
+    if group_rows:
+        monkeypatch.setattr("pretrain.data.FETCH_BYTES", group_rows * 12 * 8)
     second_stop = first_stop + 2
     pieces, state = [], None
     for start, stop in ((0, first_stop), (first_stop, second_stop), (second_stop, TOTAL)):
@@ -205,6 +213,25 @@ def test_resume_twice_equals_the_uninterrupted_run(dataset, reference, workers, 
         assert state == expected_state(stop)
         loader.close()
     assert pieces == reference  # nothing repeated, nothing skipped
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("stop", [3, 11, 21])
+def test_mid_batch_resume_at_the_same_world_size(dataset, reference, workers, stop, monkeypatch):
+    """Micro-batches of 1 are fetched in groups of 8 (test-sized FETCH_BYTES); a stop inside a group resumes."""
+    monkeypatch.setattr("pretrain.data.FETCH_BYTES", 8 * 12 * 8)  # 8 rows of 8 + 4 int64 per task
+    flat_reference = sum(reference, [])
+    first = make_loader(dataset, micro_batch_size=1, global_batch_size=GLOBAL_BATCH, seed=SEED,
+                        num_workers=workers)
+    assert first.fetch_group == 8
+    head = sum(consume(first, stop), [])
+    state = first.state_dict()
+    first.close()
+    second = make_loader(dataset, micro_batch_size=1, global_batch_size=GLOBAL_BATCH, seed=SEED,
+                         num_workers=workers)
+    second.load_state_dict(state)
+    assert head + sum(consume(second, len(flat_reference) - stop), []) == flat_reference
+    second.close()
 
 
 @pytest.mark.parametrize("new_world_size, new_micro", [(1, 4), (2, 2), (4, 1), (4, 2)])
