@@ -153,10 +153,11 @@ def fastest_that_fits(rows: list[dict[str, Any]]) -> list[str]:
                          f"try smaller micro batches, offload, activation checkpointing or more GPUs.{failed_text}")
             continue
         best = ok[0]
+        mfu = "" if best.get("mfu") is None else f"MFU {best['mfu']:.1%}, "
         text = (f"- {name}: fastest that fits is {_describe(best)}: {_rate(best['tokens_per_s'])}"
-                f" (MFU {_fmt(best.get('mfu'), '.1f', 100, '%')}, step {_fmt(best.get('step_time_s'), '.3g', 1, ' s')}"
-                f"; peak memory {_fmt(best.get('peak_mem_gib'), '.3g', 1, ' GiB')} measured, DeepSpeed estimate "
-                f"{_fmt(best.get('est_gpu_gib'), '.3g', 1, ' GiB')} per GPU).")
+                f" ({mfu}step {_fmt(best.get('step_time_s'), '.3g', 1, ' s')}"
+                f"; peak memory {_fmt(best.get('peak_mem_gib'), '.3g', 1, ' GiB')} measured, estimate "
+                f"{_fmt(best.get('est_gpu_gib'), '.3g', 1, ' GiB')} per device).")
         stage_best: dict[tuple, dict[str, Any]] = {}
         for r in ok:  # sorted fastest first: the first row of each stage is its best
             stage_best.setdefault((r["zero"], r["offload"]), r)
@@ -296,10 +297,12 @@ def _setup_section(rows: list[dict[str, Any]], setup: dict[str, Any]) -> str:
     text = "\n".join(lines)
     if commands:
         text += "\n- Commands:\n\n```\n" + "\n".join(commands) + "\n```"
+    methods = sorted({r["est_method"] for r in rows if r.get("est_method")})
     text += ("\n- Numbers are medians over the steady-state steps of each point; `data wait` is the share of step "
              "time spent blocked on the next batch (total wait / total step time over those steps); `peak` is the "
-             "largest peak memory pretrain measured in any step; `est` is DeepSpeed's memory estimator for the "
-             "stage and offload (model states only, no activations).")
+             "largest peak memory pretrain measured in any step (GPU memory on GPUs, host memory on CPU); `est` is "
+             "the memory estimate pretrain records for the stage and offload before training (config.json "
+             "`memory_estimate`; method: " + ("; ".join(methods) or "not recorded") + ").")
     return text
 
 
@@ -383,7 +386,7 @@ def plot_throughput(rows: list[dict[str, Any]], path: Path) -> Path:
 
 
 def plot_memory(rows: list[dict[str, Any]], path: Path) -> Path:
-    """Measured peak memory vs DeepSpeed's per-GPU and per-CPU estimates, per stage, one panel per model."""
+    """Measured peak memory vs the per-device and host estimates pretrain records, per stage, panel per model."""
     groups, several_nproc = _model_groups(rows)
     plt, fig, axes = _figure(max(1, len(groups)))
     width = 0.27
@@ -400,8 +403,8 @@ def plot_memory(rows: list[dict[str, Any]], path: Path) -> Path:
                                default=0.0))
         positions = range(len(stages))
         ax.bar([p - width for p in positions], measured, width, label="measured peak", color="tab:blue")
-        ax.bar(list(positions), est_gpu, width, label="DeepSpeed est. per GPU", color="tab:orange")
-        ax.bar([p + width for p in positions], est_cpu, width, label="DeepSpeed est. per CPU (host)",
+        ax.bar(list(positions), est_gpu, width, label="estimate per device", color="tab:orange")
+        ax.bar([p + width for p in positions], est_cpu, width, label="estimate, host (CPU)",
                color="tab:gray")
         ax.set_xticks(list(positions), [stage_label(z, o).replace(" + ", "\n+") for z, o in stages], fontsize=8)
         ax.set_ylabel("GiB")
@@ -409,7 +412,7 @@ def plot_memory(rows: list[dict[str, Any]], path: Path) -> Path:
         ax.legend(fontsize=7)
     if not groups:
         _no_data(axes[0])
-    fig.suptitle("Memory: measured peak vs DeepSpeed estimate")
+    fig.suptitle("Memory: measured peak vs pre-training estimate")
     return _save(plt, fig, path)
 
 

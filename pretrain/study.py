@@ -260,8 +260,38 @@ def pretrain_command(grid: StudyGrid, point: Point, shards: Path, run_dir: Path)
 
 # ----------------------------------------------------------------------------------------------- shard set
 
+def _prep_flags(spec: dict[str, Any]) -> list[str]:
+    """{input_length: 128, input: [a, b], quiet: true} -> ["--input-length", "128", "--input", "a", "b", "--quiet"]."""
+    flags: list[str] = []
+    for key, value in spec.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value not in (False, None):
+            flags += [flag, *map(str, _as_list(value))]
+    return flags
+
+
+def _run_prep(source: Path, subcommand: str, spec: dict[str, Any], out: Path) -> None:
+    command = console_script("prep") + [subcommand, *_prep_flags(spec), "--out", str(out)]
+    print(f"preparing once: {shlex.join(command)}", flush=True)
+    # A local Ray cluster of its own unless the user points elsewhere (ray_address in the spec, or RAY_ADDRESS):
+    # without this, ray.init() joins whatever cluster /tmp/ray/ray_current_cluster names on this machine.
+    env = {**os.environ, "RAY_ADDRESS": os.environ.get("RAY_ADDRESS") or "local", "RAY_USAGE_STATS_ENABLED": "0"}
+    result = subprocess.run(command, stderr=subprocess.PIPE, text=True, env=env)
+    if result.returncode != 0:
+        why = ([line for line in result.stderr.splitlines() if line.strip()] or ["no output"])[-1].strip()
+        raise UserError(f"{source}: `prep {subcommand}` failed ({why}); fix the data spec, or prepare the "
+                        f"shards yourself and pass --data")
+
+
 def prepare_shards(grid: StudyGrid, study_dir: Path, data_override: str | None) -> Path:
-    """The study's shard set: --data, else the grid's path, else `prep corpus` run once into STUDY/shards."""
+    """The study's shard set: --data, else the grid's path, else `prep corpus` run once into STUDY/shards.
+
+    In a prep spec, `tokenizer` is a tokenizer.json path, or a mapping of `prep tokenizer` flags
+    ({input: sample, vocab_size: 1024}) that is trained once into STUDY/tokenizer. Other keys are
+    `prep corpus` flags (input_length: 128 -> --input-length 128).
+    """
     if data_override:
         return Path(data_override)
     if grid.data is None:
@@ -272,20 +302,12 @@ def prepare_shards(grid: StudyGrid, study_dir: Path, data_override: str | None) 
     out = Path(spec.pop("out", study_dir / "shards"))
     if (out / "manifest.json").is_file():
         return out
-    command = console_script("prep") + ["corpus"]
-    for key, value in spec.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            command.append(flag)
-        elif value not in (False, None):
-            command += [flag, *map(str, _as_list(value))]
-    command += ["--out", str(out)]
-    print(f"preparing the shard set once: {shlex.join(command)}", flush=True)
-    result = subprocess.run(command, stderr=subprocess.PIPE, text=True)
-    if result.returncode != 0:
-        why = ([line for line in result.stderr.splitlines() if line.strip()] or ["no output"])[-1].strip()
-        raise UserError(f"{grid.source}: `prep corpus` failed ({why}); "
-                        f"fix the data spec or prepare the shards yourself and pass --data")
+    if isinstance(spec["tokenizer"], dict):
+        tokenizer_dir = study_dir / "tokenizer"
+        if not (tokenizer_dir / "tokenizer.json").is_file():
+            _run_prep(grid.source, "tokenizer", spec["tokenizer"], tokenizer_dir)
+        spec["tokenizer"] = str(tokenizer_dir / "tokenizer.json")
+    _run_prep(grid.source, "corpus", spec, out)
     return out
 
 

@@ -1,0 +1,167 @@
+"""The study runner: grid expansion, steady-state medians, and real `pretrain` launches on CPU (gloo, 2 ranks)
+with a point forced to fail, a rerun that skips finished points, --retry-failed, and a per-point timeout.
+
+    .venv/bin/python -m pytest tests/pretrain/test_study.py -q
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.common import CONFIGS_DIR, UserError
+from pretrain import study
+
+STUDY_CLI = [sys.executable, "-m", "pretrain.study_cli"]
+
+
+def write_grid(path: Path, **sections) -> Path:
+    grid = {"name": "t", "base": {"steps": 4, "skip_steps": 1, "global_batch": 8, "timeout_s": 240},
+            "grid": {"model": "t5-tiny", "zero": 2, "micro_batch": 2, "nproc": 2}}
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(grid.get(key), dict):
+            grid[key] = {**grid[key], **value}
+        else:
+            grid[key] = value
+    path.write_text(yaml.safe_dump(grid))
+    return path
+
+
+def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    return subprocess.run([*STUDY_CLI, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+# ------------------------------------------------------------------------------------------------ grid files
+
+def test_exclude_and_include_rules(tmp_path):
+    grid = study.load_grid(write_grid(
+        tmp_path / "g.yaml", grid={"zero": [0, 1, 2, 3], "offload": ["none", "cpu"], "loader_workers": [0, 2]},
+        exclude=[{"zero": [0, 1], "offload": "cpu"}],
+        include=[{"zero": 3, "offload": "nvme", "micro_batch": [1, 4]}]))
+    points = grid.points()
+    ids = [p.point_id for p in points]
+    assert len(ids) == len(set(ids)) == (2 + 2 + 4 + 4) + 2        # stages 0-1 without offload, 2-3 with both, +2
+    assert not any(p.offload == "cpu" and p.zero < 2 for p in points)
+    nvme = [p for p in points if p.offload == "nvme"]
+    assert sorted(p.micro_batch for p in nvme) == [1, 4] and {p.loader_workers for p in nvme} == {0}
+    assert "t5-tiny-z2-cpu-mb2-w2-n2" in ids
+    assert points[0].label == "t5-tiny zero=0 offload=none mb=2 w=0 n=2"
+
+
+@pytest.mark.parametrize("sections, message", [
+    ({"grid": {"stage": [1]}}, "unknown grid axes ['stage']"),
+    ({"base": {"steps": 3, "skip_steps": 3}}, "skip_steps must be in [0, steps=3)"),
+    ({"base": {"warmup": 1}}, "unknown base settings ['warmup']"),
+    ({"grid": {"offload": "disk"}}, "offload must be one of"),
+    ({"exclude": [{"zero": 2}]}, "no points left after exclude"),
+])
+def test_bad_grid_files_name_the_file_and_the_fix(tmp_path, sections, message):
+    path = write_grid(tmp_path / "bad.yaml", **sections)
+    with pytest.raises(UserError, match=str(path)) as err:
+        study.load_grid(path)
+    assert message in str(err.value)
+
+
+def test_shipped_grids():
+    tiny = study.load_grid(CONFIGS_DIR / "study" / "cpu-tiny.yaml").points()
+    assert len(tiny) == 8 and {p.zero for p in tiny} == {0, 1, 2, 3} and {p.loader_workers for p in tiny} == {0, 2}
+    assert {(p.model, p.nproc) for p in tiny} == {("t5-tiny", 2)}
+    x2 = study.load_grid(CONFIGS_DIR / "study" / "h200x2.yaml").points()
+    assert {p.model for p in x2} == {"mt5-base", "mt5-large"} and {p.nproc for p in x2} == {2}
+    assert {(p.zero, p.offload) for p in x2} == {(0, "none"), (1, "none"), (2, "none"), (3, "none"),
+                                                 (2, "cpu"), (3, "cpu")}
+    assert {p.loader_workers for p in x2} == {0, 1, 4} and len(x2) == 36
+    x8 = study.load_grid(CONFIGS_DIR / "study" / "h200x8.yaml").points()
+    assert {(p.model, p.zero, p.offload) for p in x8} == {
+        ("mt5-xl", 1, "none"), ("mt5-xl", 2, "none"), ("mt5-xl", 3, "none"),
+        ("mt5-xxl", 2, "none"), ("mt5-xxl", 2, "cpu"), ("mt5-xxl", 3, "none"), ("mt5-xxl", 3, "cpu")}
+    assert all(p.nproc == 8 and p.activation_checkpointing for p in x8)
+    assert {p.loader_workers for p in x8} == {1, 4} and len(x8) == 14
+
+
+def test_steady_state_medians_leave_out_the_warmup_steps():
+    metrics = [{"step": s, "tokens_per_s": t, "step_time_s": st, "data_wait_s": w, "compute_s": st - w,
+                "peak_mem_gib": m, "grad_accum": 2}
+               for s, t, st, w, m in [(1, 10.0, 9.0, 4.0, 3.0), (2, 100.0, 1.0, 0.0, 1.0),
+                                      (3, 120.0, 1.0, 0.1, 1.5), (4, 110.0, 2.0, 0.5, 1.2)]]
+    medians = study.summarize_metrics(metrics, skip_steps=1)
+    assert medians["tokens_per_s"] == 110.0 and medians["step_time_s"] == 1.0
+    assert medians["data_wait_share"] == pytest.approx(0.6 / 4.0)  # total wait / total step time, steps 2-4
+    assert medians["peak_mem_gib"] == 3.0                          # the peak over every step, warm-up included
+    assert (medians["steps_done"], medians["steps_measured"], medians["grad_accum"]) == (4, 3, 2)
+
+
+# ------------------------------------------------------------------------------------------------ real launches
+
+def test_study_refuses_a_second_shard_set(tiny_shards, tmp_path):
+    out = tmp_path / "study"
+    out.mkdir()
+    (out / study.STUDY_FILE).write_text(json.dumps({"fingerprint": "0" * 64, "shards": "shards/other"}))
+    result = run_cli("run", str(write_grid(tmp_path / "g.yaml")), "--out", str(out), "--data", str(tiny_shards))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "000000000000 (shards/other)" in result.stderr and "another --out" in result.stderr
+    assert not (out / study.RUNS_DIR).exists()
+
+
+def test_sweep_records_failures_goes_on_and_skips_finished_points(tiny_shards, tmp_path):
+    # Two points on 2 gloo ranks: micro batch 2 trains; micro batch 3 cannot divide the global batch of 8.
+    grid_path = write_grid(tmp_path / "grid.yaml", grid={"micro_batch": [3, 2]})
+    out = tmp_path / "study"
+    first = run_cli("run", str(grid_path), "--out", str(out), "--data", str(tiny_shards))
+    assert first.returncode == 0, first.stdout + first.stderr
+    lines = first.stdout.splitlines()
+    assert lines[0].startswith("[1/2] t5-tiny zero=2 offload=none mb=3 w=0 n=2 ... FAILED: ")
+    assert "not a multiple of --micro-batch 3" in lines[0]
+    assert lines[1].startswith("[2/2] t5-tiny zero=2 offload=none mb=2 w=0 n=2 ... ") and "tok/s" in lines[1]
+    assert "2 points: 1 ok, 0 oom, 1 failed, 0 timeout (0 skipped as finished, 2 launched)" in first.stdout
+
+    with open(out / "results.csv", newline="") as f:
+        rows = {row["point_id"]: row for row in csv.DictReader(f)}
+    failed, ok = rows["t5-tiny-z2-none-mb3-w0-n2"], rows["t5-tiny-z2-none-mb2-w0-n2"]
+    assert failed["status"] == "failed" and "not a multiple of --micro-batch 3" in failed["reason"]
+    assert failed["tokens_per_s"] == ""
+    metrics = [json.loads(line) for line in (out / "runs" / ok["point_id"] / "metrics.jsonl").read_text().splitlines()]
+    assert ok["status"] == "ok" and len(metrics) == 4 and ok["steps_measured"] == "3"
+    steady = sorted(m["tokens_per_s"] for m in metrics[1:])
+    assert float(ok["tokens_per_s"]) == pytest.approx(steady[1], rel=1e-5)      # median of steps 2-4
+    assert (ok["zero"], ok["nproc"], ok["global_batch"], ok["grad_accum"]) == ("2", "2", "8", "2")
+    assert float(ok["est_gpu_gib"] or 0) >= 0 and ok["est_method"]
+    assert 0 <= float(ok["data_wait_share"]) < 1
+    state = json.loads((out / study.STUDY_FILE).read_text())
+    manifest = json.loads((Path(tiny_shards) / "manifest.json").read_text())
+    assert state["fingerprint"] == manifest["fingerprint"] and manifest["fingerprint"] in (out / "report.md").read_text()
+    assert all((out / name).stat().st_size > 0 for name in ("throughput.png", "memory.png", "data_wait.png",
+                                                            "step_time.png"))
+    ok_mtime = (out / "runs" / ok["point_id"] / study.POINT_FILE).stat().st_mtime_ns
+
+    again = run_cli("run", str(grid_path), "--out", str(out), "--data", str(tiny_shards))
+    assert again.returncode == 0
+    assert "(2 skipped as finished, 0 launched)" in again.stdout and again.stdout.count("skipped (") == 2
+
+    retry = run_cli("run", str(grid_path), "--out", str(out), "--data", str(tiny_shards), "--retry-failed")
+    assert retry.returncode == 0
+    assert "[1/2] t5-tiny zero=2 offload=none mb=3 w=0 n=2 ... FAILED" in retry.stdout
+    assert "[2/2] t5-tiny zero=2 offload=none mb=2 w=0 n=2 ... skipped (ok earlier)" in retry.stdout
+    assert (out / "runs" / ok["point_id"] / study.POINT_FILE).stat().st_mtime_ns == ok_mtime
+    assert len(state["commands"]) == 1 and len(json.loads((out / study.STUDY_FILE).read_text())["commands"]) == 3
+
+
+def test_a_point_past_its_timeout_is_stopped_and_recorded(tiny_shards, tmp_path):
+    grid_path = write_grid(tmp_path / "grid.yaml", base={"timeout_s": 3, "steps": 400})
+    out = tmp_path / "study"
+    result = run_cli("run", str(grid_path), "--out", str(out), "--data", str(tiny_shards))
+    assert result.returncode == 1                       # no point finished
+    assert "TIMEOUT: no result within timeout_s=3" in result.stdout
+    record = json.loads((out / "runs" / "t5-tiny-z2-none-mb2-w0-n2" / study.POINT_FILE).read_text())
+    assert record["status"] == "timeout" and record["wall_s"] < 60
+    # Nothing of the launch is left running: no process still has the run dir on its command line.
+    leftover = subprocess.run(["pgrep", "-f", str(out / "runs")], capture_output=True, text=True)
+    assert leftover.stdout.strip() == ""
