@@ -2,7 +2,8 @@
 
     launch(config, argv)   # preflight, then run this process as a rank or spawn config.nproc local ranks
 
-Local spawning starts `python -m pretrain.cli ARGV` N times with RANK / LOCAL_RANK / WORLD_SIZE /
+Local spawning (also for N = 1, which keeps the console to rank 0's stdout and the one-line errors) starts
+`python -m pretrain.cli ARGV` N times with RANK / LOCAL_RANK / WORLD_SIZE /
 MASTER_ADDR=127.0.0.1 / MASTER_PORT=<free port>, the same variables torchrun and the deepspeed launcher set,
 so every rank runs one code path (`pretrain.trainer.run_rank`). Rank 0's stdout is the console; every
 rank's stderr goes to RUN_DIR/logs/rank-R.log. When a rank fails, the others are stopped and the failure's
@@ -12,6 +13,7 @@ last line becomes the one-line reason on stderr.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -64,23 +66,14 @@ def launch(config, argv: list[str]) -> int:
     env = rank_env()
     world_size = env.world_size if env.launched else config.nproc
     spawned = os.environ.get(SPAWNED_ENV) == "1"
+    if not spawned:
+        preflight.check_run_dir(config)
     plan = preflight.run_preflight(config, world_size=world_size, local_world_size=(
         env.local_world_size if env.launched else config.nproc), announce=env.is_main and not spawned)
     if env.launched:
         from pretrain import trainer
         return trainer.run_rank(config, plan, env)
-    if config.nproc == 1:
-        return _run_single(config, plan)
     return spawn_local(argv, config.nproc, Path(config.out))
-
-
-def _run_single(config, plan) -> int:
-    """One rank in this very process: set the rendezvous variables a launcher would, then train."""
-    from pretrain import trainer
-
-    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-    return trainer.run_rank(config, plan, rank_env())
 
 
 def spawn_local(argv: list[str], nproc: int, run_dir: Path) -> int:
@@ -101,11 +94,16 @@ def spawn_local(argv: list[str], nproc: int, run_dir: Path) -> int:
                                    stderr=log, start_new_session=True)
         log.close()
         ranks.append((process, log_path))
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return _wait_all(ranks)
-    except KeyboardInterrupt:
+    finally:             # normal exit: all done; failure, Ctrl-C or SIGTERM: stop the ranks still running
         _stop_all(ranks)
-        raise
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _wait_all(ranks: list[tuple[subprocess.Popen, Path]]) -> int:
@@ -128,13 +126,19 @@ def _wait_all(ranks: list[tuple[subprocess.Popen, Path]]) -> int:
 def _stop_all(ranks: list[tuple[subprocess.Popen, Path]]) -> None:
     for process, _ in ranks:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
     deadline = time.monotonic() + 10
     for process, _ in ranks:
         try:
             process.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             process.wait()
 
 
@@ -145,8 +149,9 @@ def last_error_line(log_path: Path) -> str:
     except OSError:
         return "no log"
     for line in reversed(lines):
-        if line.startswith("pretrain: error:"):
-            return line[len("pretrain: error:"):].strip()
+        match = re.match(r"^\S+: error: (.*)$", line)
+        if match:
+            return match.group(1)
     for line in reversed(lines):
         if "Error" in line.split(":")[0] or line.startswith(("RuntimeError", "torch.OutOfMemoryError")):
             return line

@@ -126,7 +126,7 @@ def summarize(records: list[dict[str, Any]], *, steady_skip: int, status: str, *
     data_wait = median("data_wait_s")
     summary = {
         "status": status,
-        "steps": records[-1]["step"] if records else 0,
+        "steps": records[-1]["step"] if records else int(extra.get("start_step", 0)),
         "steady_steps": len(steady),
         "final_loss": records[-1]["loss"] if records else None,
         "median": {key: median(key) for key in ("step_time_s", "data_wait_s", "compute_s", "tokens_per_s",

@@ -12,9 +12,9 @@
 
 Memory formula (bytes per parameter P, N data-parallel ranks, mixed precision bf16 as DeepSpeed assumes):
 stage 0: 2 (bf16 params) + 2 (bf16 grads) + 4 (fp32 grads) + 4 (fp32 master) + 8 (Adam m, v) = 20 P per GPU;
-stage 1: 4 P + 16 P / N (the fp32 part partitioned); stages 2 and 3: DeepSpeed's estimators. fp32 runs
-(CPU) count 4 (params) + 4 (grads) + 8 (Adam) = 16 P, of which stage 1 partitions the 8, stage 2 the 12,
-stage 3 all 16 (plus the largest layer gathered). Host memory includes the fp32 model each rank builds.
+stage 1: 4 P + 16 P / N (the fp32 part partitioned); stages 2 and 3: DeepSpeed's estimators (which assume
+16-bit weights, also for fp32 runs). fp32 runs at stages 0-1 (CPU) count 4 (params) + 4 (grads) + 8 (Adam)
+= 16 P, of which stage 1 partitions the 8. Host memory includes the fp32 model each rank builds.
 Activations per micro-batch (elements, summed over layers): encoder layer L_in*(10 d + 4 inner + 3 d_ff) +
 heads*L_in^2, decoder layer L_t*(14 d + 6 inner + 3 d_ff) + 2 inner*L_in + heads*(L_t^2 + L_t*L_in), plus
 the chunked loss's logits; with activation checkpointing, one d-vector per token per layer plus one layer.
@@ -120,27 +120,25 @@ def estimate_memory(model_config, *, zero: int, offload: str, precision: str, wo
     nodes = max(1, world_size // max(1, local_world_size))
     per_node = max(1, local_world_size)
     cpu_offload = offload != "none"
-    if precision == "fp32":   # DeepSpeed's estimators assume 16-bit params: count 4 + 4 + 8 bytes/param instead
-        device_params, grads, optimizer = 4 * params, 4 * params, 8 * params
-        partitioned = {0: 0, 1: optimizer, 2: grads + optimizer, 3: device_params + grads + optimizer}[zero]
-        gpu_bytes = device_params + grads + optimizer - partitioned + partitioned / world_size
-        if cpu_offload:
-            gpu_bytes -= optimizer / world_size
-        if zero == 3:
-            gpu_bytes += 4 * largest_layer
-        cpu_bytes = 4 * params * per_node * 1.5 + (optimizer * per_node / world_size * 1.5 if cpu_offload else 0)
-        method = f"byte count of pretrain/preflight.py (stage {zero}, fp32)"
-    elif zero == 3:
+    if zero == 3:
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
         cpu_bytes, gpu_bytes, _ = estimate_zero3_model_states_mem_needs(
             params, largest_layer, num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=cpu_offload,
             cpu_offload_params=cpu_offload, zero_init=False)
         method = "deepspeed estimate_zero3_model_states_mem_needs(zero_init=False)"
+        method += " (assumes 16-bit weights)" if precision == "fp32" else ""
     elif zero == 2:
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
         cpu_bytes, gpu_bytes = estimate_zero2_model_states_mem_needs(
             params, num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=cpu_offload)
         method = "deepspeed estimate_zero2_model_states_mem_needs"
+        method += " (assumes 16-bit weights)" if precision == "fp32" else ""
+    elif precision == "fp32":   # stages 0 and 1 in fp32: params + grads (4 + 4), Adam m, v (8)
+        optimizer_shards = world_size if zero == 1 else 1
+        optimizer_bytes = 8 * params / optimizer_shards
+        gpu_bytes = 8 * params + (0 if cpu_offload else optimizer_bytes)
+        cpu_bytes = 4 * params * per_node * 1.5 + (optimizer_bytes * per_node * 1.5 if cpu_offload else 0)
+        method = f"byte count of pretrain/preflight.py (stage {zero}, fp32)"
     else:   # stages 0 and 1: bf16 params + grads (2 + 2), fp32 grads + master + Adam (4 + 4 + 8)
         shards = world_size if zero == 1 else 1
         if cpu_offload:
@@ -213,13 +211,25 @@ def check_fit(estimate: dict[str, Any], device: dict[str, Any], local_world_size
     return problems
 
 
+def check_run_dir(config) -> None:
+    """A fresh run refuses a directory that already holds one (metrics or complete checkpoints)."""
+    from pretrain.checkpoint import latest_complete
+
+    run_dir = Path(config.out)
+    if config.resume or not run_dir.exists():
+        return
+    if (run_dir / "metrics.jsonl").is_file() or latest_complete(run_dir / "checkpoints"):
+        raise UserError(f"{run_dir}: already holds a run (metrics.jsonl / checkpoints); pass --resume to continue "
+                        f"it or pick a new --out")
+
+
 def run_preflight(config, *, world_size: int, local_world_size: int, announce: bool) -> Plan:
     """All checks in order; prints the plan and the memory table when `announce`."""
     from pretrain.data import ShardDataset
     from pretrain.model import load_config
 
     dataset = ShardDataset(config.data, input_length=config.input_length, target_length=config.target_length,
-                           cache_dir=config.cache_dir)
+                           cache_dir=config.cache_dir, verify=config.verify)
     manifest = dataset.manifest
     where = f"{dataset.root}/manifest.json"
     preset = load_config(config.model, **config.model_overrides)

@@ -299,6 +299,8 @@ class Trainer:
 
 
 def final_summary_line(summary: dict[str, Any]) -> str:
+    if not summary["steady_steps"]:
+        return f"[done] {summary['status']}: no steps left to run (step {summary['steps']}/{summary['total_steps']})"
     median = summary["median"]
     mfu = f"{100 * median['mfu']:.1f}%" if median.get("mfu") is not None else "n/a"
     share = summary.get("data_wait_share")
