@@ -10,7 +10,9 @@
   `num_samples % B` of each epoch's permutation is dropped (a different remainder every epoch).
 - `ShardLoader` (built by `make_loader`) wraps a torch `DataLoader` and yields int64 micro-batches forever,
   epoch after epoch; it counts what the consumer took, so `state_dict()` after an optimizer step is exact
-  and `load_state_dict()` resumes at the next global batch, at the same or another world size.
+  and `load_state_dict()` resumes at the next global batch, at the same or another world size. Each
+  DataLoader task gathers a group of consecutive micro-batches (about FETCH_BYTES) into one tensor, so a
+  worker sends one message per group instead of two tensors per micro-batch.
 
 State: {"seed", "epoch", "consumed_samples"} where consumed_samples counts the global samples of `epoch`
 already consumed (k*B after k global batches). Only states at a global-batch boundary resume at another world
