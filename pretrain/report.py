@@ -19,17 +19,18 @@ RESULTS_CSV = "results.csv"
 REPORT_MD = "report.md"
 GRID_COLUMNS = ("model", "zero", "offload", "micro_batch", "loader_workers", "nproc", "activation_checkpointing")
 RESULT_COLUMNS = ("point_id", *GRID_COLUMNS, "global_batch", "grad_accum", "steps", "status", "reason",
-                  "steps_done", "steps_measured", "tokens_per_s", "samples_per_s", "tflops_per_gpu", "mfu",
+                  "steps_done", "steps_measured", "tokens_per_s", "tokens_per_s_spread", "samples_per_s", "tflops_per_gpu", "mfu",
                   "step_time_s", "data_wait_s", "compute_s", "data_wait_share", "peak_mem_gib", "est_gpu_gib",
                   "est_cpu_gib", "est_method", "wall_s")
 INT_COLUMNS = {"zero", "micro_batch", "loader_workers", "nproc", "global_batch", "grad_accum", "steps",
                "steps_done", "steps_measured"}
-FLOAT_COLUMNS = {"tokens_per_s", "samples_per_s", "tflops_per_gpu", "mfu", "step_time_s", "data_wait_s",
+FLOAT_COLUMNS = {"tokens_per_s", "tokens_per_s_spread", "samples_per_s", "tflops_per_gpu", "mfu", "step_time_s", "data_wait_s",
                  "compute_s", "data_wait_share", "peak_mem_gib", "est_gpu_gib", "est_cpu_gib", "wall_s"}
 DATA_WAIT_TARGET = 0.01
 """The data-wait share the loader-worker recommendation aims under (1% of step time)."""
 TIE_MARGIN = 0.03
-"""Throughputs within this fraction of each other are reported as a tie (a few steps cannot separate them)."""
+"""Throughputs within this fraction of each other, or within either point's own step-to-step spread
+(tokens_per_s_spread, when recorded), are reported as a tie: the steps measured cannot separate them."""
 PLOTS = {"throughput": "throughput.png", "memory": "memory.png", "data_wait": "data_wait.png",
          "step_time": "step_time.png"}
 
@@ -161,11 +162,15 @@ def fastest_that_fits(rows: list[dict[str, Any]]) -> list[str]:
         stage_best: dict[tuple, dict[str, Any]] = {}
         for r in ok:  # sorted fastest first: the first row of each stage is its best
             stage_best.setdefault((r["zero"], r["offload"]), r)
+        def margin(r: dict[str, Any]) -> float:
+            return max(TIE_MARGIN, best.get("tokens_per_s_spread") or 0.0, r.get("tokens_per_s_spread") or 0.0)
+
         ties = [r for stage, r in stage_best.items() if stage != (best["zero"], best["offload"])
-                and r["tokens_per_s"] >= best["tokens_per_s"] * (1 - TIE_MARGIN)]
+                and r["tokens_per_s"] >= best["tokens_per_s"] * (1 - margin(r))]
         if ties:
-            text += (f" Within {TIE_MARGIN:.0%} of it: " + "; ".join(
-                f"{_describe(r)} ({_rate(r['tokens_per_s'])})" for r in ties[:3])
+            text += (" Within the measurement spread of it: " + "; ".join(
+                f"{_describe(r)} ({_rate(r['tokens_per_s'])}, {1 - r['tokens_per_s'] / best['tokens_per_s']:.1%} "
+                f"slower, spread {margin(r):.1%})" for r in ties[:3])
                 + ": on this data they tie, more steps would separate them.")
         lines.append(text + failed_text)
     return lines
@@ -209,6 +214,28 @@ def fewest_workers(rows: list[dict[str, Any]], target: float = DATA_WAIT_TARGET)
             text += (f" But {', '.join(map(str, above))} workers measured {target:.0%} or more: noise or workers "
                      f"competing for host CPU (offload uses it too); more steps would tell.")
         lines.append(text + unfinished_text)
+    return lines
+
+
+def estimate_accuracy(rows: list[dict[str, Any]]) -> list[str]:
+    """Per model: measured peak memory over the recorded estimate, per stage (how far to trust the estimate)."""
+    lines = []
+    groups, several_nproc = _model_groups(rows)
+    for (model, nproc), group in groups.items():
+        ratios = []
+        for zero, offload in _stage_order(group):
+            pairs = [(r["peak_mem_gib"], r["est_gpu_gib"]) for r in _ok(group)
+                     if (r["zero"], r["offload"]) == (zero, offload) and r.get("peak_mem_gib") is not None
+                     and r.get("est_gpu_gib")]
+            if pairs:
+                peak, estimate = max(pairs)
+                ratios.append(f"{stage_label(zero, offload)} {peak / estimate:.2g}x ({peak:.3g} vs {estimate:.3g} GiB)")
+        if ratios:
+            lines.append(f"- {_group_label(model, nproc, several_nproc)}: measured peak / estimate per device: "
+                         + "; ".join(ratios) + ".")
+        else:
+            lines.append(f"- {_group_label(model, nproc, several_nproc)}: no finished point with both numbers; "
+                         f"the data can't tell.")
     return lines
 
 
@@ -322,7 +349,10 @@ def render_markdown(rows: list[dict[str, Any]], setup: dict[str, Any], plots: di
         "## Recommendations\n\nDerived from the table above.\n\n### Fastest configuration that fits\n\n"
         + "\n".join(fastest_that_fits(rows))
         + f"\n\n### Fewest loader workers that keep data wait under {DATA_WAIT_TARGET:.0%}\n\n"
-        + "\n".join(fewest_workers(rows) or ["- No point finished; the data can't tell."]),
+        + "\n".join(fewest_workers(rows) or ["- No point finished; the data can't tell."])
+        + "\n\n### How far the memory estimate can be trusted\n\nThe estimate counts what pretrain's method "
+        "names (see Setup); a measured peak above it is what that method leaves out (allocator cache, "
+        "workspaces, communication buffers, fragmentation); plan with the measured peak.\n\n" + "\n".join(estimate_accuracy(rows)),
     ]
     return "\n\n".join(parts) + "\n"
 

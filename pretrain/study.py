@@ -464,7 +464,8 @@ def summarize_metrics(metrics: list[dict[str, Any]], skip_steps: int) -> dict[st
     """Steady-state medians of one run's metrics (steps after `skip_steps`); peak memory is the max of all.
 
     data_wait_share = total data wait / total step time over the steady-state steps (a median would hide
-    the occasional stall that a share of time shows).
+    the occasional stall that a share of time shows). tokens_per_s_spread = interquartile range of the
+    steady-state tokens/s over their median: how far apart two points must be to call one faster.
     """
     steady = [m for m in metrics if int(m.get("step", 0)) > skip_steps]
     out: dict[str, Any] = {"steps_done": len(metrics), "steps_measured": len(steady)}
@@ -481,6 +482,10 @@ def summarize_metrics(metrics: list[dict[str, Any]], skip_steps: int) -> dict[st
     total_step = sum(float(m.get("step_time_s") or 0.0) for m in steady)
     total_wait = sum(float(m.get("data_wait_s") or 0.0) for m in steady)
     out["data_wait_share"] = total_wait / total_step if total_step > 0 else None
+    rates = [float(m["tokens_per_s"]) for m in steady if m.get("tokens_per_s") is not None]
+    if len(rates) >= 2 and out["tokens_per_s"]:
+        q1, _, q3 = statistics.quantiles(rates, n=4, method="inclusive")
+        out["tokens_per_s_spread"] = (q3 - q1) / out["tokens_per_s"]
     peaks = [float(m["peak_mem_gib"]) for m in metrics if m.get("peak_mem_gib") is not None]
     out["peak_mem_gib"] = max(peaks) if peaks else None
     out["grad_accum"] = steady[-1].get("grad_accum")

@@ -132,6 +132,7 @@ def test_sweep_records_failures_goes_on_and_skips_finished_points(tiny_shards, t
     assert ok["status"] == "ok" and len(metrics) == 4 and ok["steps_measured"] == "3"
     steady = sorted(m["tokens_per_s"] for m in metrics[1:])
     assert float(ok["tokens_per_s"]) == pytest.approx(steady[1], rel=1e-5)      # median of steps 2-4
+    assert float(ok["tokens_per_s_spread"]) == pytest.approx((steady[2] - steady[0]) / 2 / steady[1], rel=1e-4)
     assert (ok["zero"], ok["nproc"], ok["global_batch"], ok["grad_accum"]) == ("2", "2", "8", "2")
     assert float(ok["est_gpu_gib"] or 0) >= 0 and ok["est_method"]
     assert 0 <= float(ok["data_wait_share"]) < 1
