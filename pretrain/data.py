@@ -67,11 +67,13 @@ class ShardDataset:
 
     def _check_expected(self, input_length, target_length, tokenizer_sha256) -> None:
         where = self.root / "manifest.json"
-        for name, want, have in (("input_length", input_length, self.input_length),
-                                 ("target_length", target_length, self.target_length)):
-            if want is not None and int(want) != have:
-                raise UserError(f"{where}: shards have {name} {have}, the run expects {want}; rebuild the shard "
-                                f"set with `prep corpus --{name.replace('_', '-')} {want}` or use a matching set")
+        if input_length is not None and int(input_length) != self.input_length:
+            raise UserError(f"{where}: shards have input_length {self.input_length}, the run expects {input_length}; "
+                            f"rebuild them with `prep corpus --input-length {input_length}` or use a matching set")
+        if target_length is not None and int(target_length) != self.target_length:
+            raise UserError(f"{where}: shards have target_length {self.target_length}, the run expects "
+                            f"{target_length}; rebuild them with `prep corpus` at the --input-length / "
+                            f"--noise-density / --mean-span-length that give it, or use a matching set")
         have_sha = self.manifest.get("tokenizer", {}).get("sha256")
         if tokenizer_sha256 is not None and have_sha != tokenizer_sha256:
             raise UserError(f"{where}: shards were made with tokenizer sha256 {str(have_sha)[:12]}.., the run "
