@@ -106,6 +106,11 @@ def _ok(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if r["status"] == "ok" and r.get("tokens_per_s") is not None]
 
 
+def _largest(rows: Iterable[dict[str, Any]], key: str, default: Any = None) -> Any:
+    """The largest recorded (non-empty) value of `key` over `rows`, else `default`."""
+    return max((r[key] for r in rows if r.get(key) is not None), default=default)
+
+
 def _by(rows: Iterable[dict[str, Any]], *keys: str) -> dict[tuple, list[dict[str, Any]]]:
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
@@ -268,7 +273,7 @@ def stage_comparison(rows: list[dict[str, Any]]) -> str:
     groups, several_nproc = _model_groups(rows)
     for (model, nproc), group in groups.items():
         ok = _ok(group)
-        fastest = max((r["tokens_per_s"] for r in ok), default=None)
+        fastest = _largest(ok, "tokens_per_s")
         body = []
         for zero, offload in _stage_order(group):
             stage_rows = [r for r in group if (r["zero"], r["offload"]) == (zero, offload)]
@@ -276,17 +281,15 @@ def stage_comparison(rows: list[dict[str, Any]]) -> str:
             count = f"{len(stage_ok)}/{len(stage_rows)}"
             if not stage_ok:
                 statuses = ", ".join(sorted({r["status"] for r in stage_rows}))
-                est_gpu = max((r["est_gpu_gib"] for r in stage_rows if r.get("est_gpu_gib") is not None), default=None)
-                est_cpu = max((r["est_cpu_gib"] for r in stage_rows if r.get("est_cpu_gib") is not None), default=None)
-                body.append([stage_label(zero, offload), "–", "–", "–", "–", "–", _fmt(est_gpu, ".3g"),
-                             _fmt(est_cpu, ".3g"), f"{count} ({statuses})"])
+                body.append([stage_label(zero, offload), "–", "–", "–", "–", "–",
+                             _fmt(_largest(stage_rows, "est_gpu_gib"), ".3g"),
+                             _fmt(_largest(stage_rows, "est_cpu_gib"), ".3g"), f"{count} ({statuses})"])
                 continue
             best = max(stage_ok, key=lambda r: r["tokens_per_s"])
             body.append([stage_label(zero, offload), _rate(best["tokens_per_s"]),
                          _fmt(best["tokens_per_s"] / fastest, ".2f", 1, "x"), _fmt(best.get("step_time_s"), ".3g"),
                          _fmt(best.get("data_wait_share"), ".2f", 100, "%"),
-                         _fmt(max((r["peak_mem_gib"] for r in stage_ok if r.get("peak_mem_gib") is not None),
-                                  default=None), ".3g"),
+                         _fmt(_largest(stage_ok, "peak_mem_gib"), ".3g"),
                          _fmt(best.get("est_gpu_gib"), ".3g"), _fmt(best.get("est_cpu_gib"), ".3g"), count])
         header = ["stage", "best throughput", "vs fastest", "step s", "data wait", "max peak GiB", "est GPU GiB",
                   "est CPU GiB", "points ok"]
@@ -389,86 +392,80 @@ def _no_data(ax, text: str = "no finished points") -> None:
     ax.set_yticks([])
 
 
-def plot_throughput(rows: list[dict[str, Any]], path: Path) -> Path:
-    """Best tokens/s of each stage/offload, one panel per model; stages that never finished are marked."""
+def _per_model_figure(rows: list[dict[str, Any]], path: Path, title: str, draw) -> Path:
+    """One panel per model (and GPU count); `draw(ax, group_rows)` fills a panel."""
     groups, several_nproc = _model_groups(rows)
     plt, fig, axes = _figure(max(1, len(groups)))
     for ax, ((model, nproc), group) in zip(axes, groups.items()):
+        draw(ax, group)
+        ax.set_title(_group_label(model, nproc, several_nproc))
+    if not groups:
+        _no_data(axes[0])
+    fig.suptitle(title)
+    return _save(plt, fig, path)
+
+
+def _stage_ticks(ax, stages: list[tuple[int, str]]) -> None:
+    ax.set_xticks(range(len(stages)), [stage_label(z, o).replace(" + ", "\n+") for z, o in stages], fontsize=8)
+
+
+def plot_throughput(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Best tokens/s of each stage/offload, one panel per model; stages that never finished are marked."""
+    def draw(ax, group):
         stages = _stage_order(group)
-        labels = [stage_label(z, o).replace(" + ", "\n+") for z, o in stages]
-        values = []
-        for stage in stages:
-            ok = _ok(r for r in group if (r["zero"], r["offload"]) == stage)
-            values.append(max(r["tokens_per_s"] for r in ok) if ok else 0.0)
+        values = [_largest(_ok(r for r in group if (r["zero"], r["offload"]) == stage), "tokens_per_s", 0.0)
+                  for stage in stages]
         bars = ax.bar(range(len(stages)), values, color="tab:blue")
         for bar, value, stage in zip(bars, values, stages):
             if value == 0.0:
                 statuses = {r["status"] for r in group if (r["zero"], r["offload"]) == stage}
                 ax.text(bar.get_x() + bar.get_width() / 2, 0, "/".join(sorted(statuses)), ha="center",
                         va="bottom", color="tab:red", fontsize=8)
-        ax.set_xticks(range(len(stages)), labels, fontsize=8)
+        _stage_ticks(ax, stages)
         ax.set_ylabel("tokens/s (best point)")
-        ax.set_title(_group_label(model, nproc, several_nproc))
-    if not groups:
-        _no_data(axes[0])
-    fig.suptitle("Throughput per ZeRO stage")
-    return _save(plt, fig, path)
+
+    return _per_model_figure(rows, path, "Throughput per ZeRO stage", draw)
 
 
 def plot_memory(rows: list[dict[str, Any]], path: Path) -> Path:
     """Measured peak memory vs the per-device and host estimates pretrain records, per stage, panel per model."""
-    groups, several_nproc = _model_groups(rows)
-    plt, fig, axes = _figure(max(1, len(groups)))
     width = 0.27
-    for ax, ((model, nproc), group) in zip(axes, groups.items()):
+
+    def draw(ax, group):
         stages = _stage_order(group)
-        measured, est_gpu, est_cpu = [], [], []
-        for stage in stages:
-            stage_rows = [r for r in group if (r["zero"], r["offload"]) == stage]
-            ok = _ok(stage_rows)
-            measured.append(max((r["peak_mem_gib"] for r in ok if r.get("peak_mem_gib") is not None), default=0.0))
-            est_gpu.append(max((r["est_gpu_gib"] for r in stage_rows if r.get("est_gpu_gib") is not None),
-                               default=0.0))
-            est_cpu.append(max((r["est_cpu_gib"] for r in stage_rows if r.get("est_cpu_gib") is not None),
-                               default=0.0))
+        by_stage = [[r for r in group if (r["zero"], r["offload"]) == stage] for stage in stages]
         positions = range(len(stages))
-        ax.bar([p - width for p in positions], measured, width, label="measured peak", color="tab:blue")
-        ax.bar(list(positions), est_gpu, width, label="estimate per device", color="tab:orange")
-        ax.bar([p + width for p in positions], est_cpu, width, label="estimate, host (CPU)",
-               color="tab:gray")
-        ax.set_xticks(list(positions), [stage_label(z, o).replace(" + ", "\n+") for z, o in stages], fontsize=8)
+        ax.bar([p - width for p in positions], [_largest(_ok(g), "peak_mem_gib", 0.0) for g in by_stage], width,
+               label="measured peak", color="tab:blue")
+        ax.bar(list(positions), [_largest(g, "est_gpu_gib", 0.0) for g in by_stage], width,
+               label="estimate per device", color="tab:orange")
+        ax.bar([p + width for p in positions], [_largest(g, "est_cpu_gib", 0.0) for g in by_stage], width,
+               label="estimate, host (CPU)", color="tab:gray")
+        _stage_ticks(ax, stages)
         ax.set_ylabel("GiB")
-        ax.set_title(_group_label(model, nproc, several_nproc))
         ax.legend(fontsize=7)
-    if not groups:
-        _no_data(axes[0])
-    fig.suptitle("Memory: measured peak vs pre-training estimate")
-    return _save(plt, fig, path)
+
+    return _per_model_figure(rows, path, "Memory: measured peak vs pre-training estimate", draw)
 
 
 def plot_data_wait(rows: list[dict[str, Any]], path: Path) -> Path:
     """Data-wait share (worst over other axes) vs loader workers, one line per stage/offload, panel per model."""
-    groups, several_nproc = _model_groups(_ok(rows))
-    plt, fig, axes = _figure(max(1, len(groups)))
     colors = {stage: f"C{i % 10}" for i, stage in enumerate(_stage_order(rows))}  # same stage, same colour
-    for ax, ((model, nproc), group) in zip(axes, groups.items()):
+
+    def draw(ax, group):
         for zero, offload in _stage_order(group):
-            by_workers = _by([r for r in group if (r["zero"], r["offload"]) == (zero, offload)
-                              and r.get("data_wait_share") is not None], "loader_workers")
-            workers = sorted(w for (w,) in by_workers)
-            shares = [100 * max(r["data_wait_share"] for r in by_workers[(w,)]) for w in workers]
+            by_workers = _by([r for r in group if (r["zero"], r["offload"]) == (zero, offload)], "loader_workers")
+            workers = sorted(w for (w,), items in by_workers.items() if _largest(items, "data_wait_share") is not None)
+            shares = [100 * _largest(by_workers[(w,)], "data_wait_share") for w in workers]
             ax.plot(workers, shares, marker="o", label=stage_label(zero, offload), color=colors[(zero, offload)])
         ax.set_xticks(sorted({r["loader_workers"] for r in group}))
         ax.axhline(100 * DATA_WAIT_TARGET, color="black", linestyle="--", linewidth=0.8,
                    label=f"{DATA_WAIT_TARGET:.0%} target")
         ax.set_xlabel("loader workers")
         ax.set_ylabel("data wait, % of step time")
-        ax.set_title(_group_label(model, nproc, several_nproc))
         ax.legend(fontsize=7)
-    if not groups:
-        _no_data(axes[0])
-    fig.suptitle("Data-wait share vs loader workers")
-    return _save(plt, fig, path)
+
+    return _per_model_figure(_ok(rows), path, "Data-wait share vs loader workers", draw)
 
 
 def plot_step_time(rows: list[dict[str, Any]], path: Path) -> Path:
