@@ -190,12 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("--stage3-param-persistence-threshold", type=int, help="ZeRO-3: params smaller than this stay gathered")
     add("--stage3-max-live-parameters", type=int, help="ZeRO-3: max gathered params at once")
     add("--stage3-max-reuse-distance", type=int, help="ZeRO-3: keep a param gathered if reused within this")
+    # the `deepspeed` launcher appends --local_rank=N; the rank is read from LOCAL_RANK instead
+    add("--local_rank", "--local-rank", dest="launcher_local_rank", type=int, help=argparse.SUPPRESS)
     return parser
 
 
 def resolve_config(argv: list[str] | None = None) -> TrainConfig:
     """Flags over YAML over defaults -> a validated TrainConfig."""
     flags = vars(build_parser().parse_args(argv))
+    flags.pop("launcher_local_rank", None)
     values: dict[str, Any] = {}
     if "config" in flags:
         values.update(load_yaml_config(flags.pop("config")))

@@ -1,0 +1,139 @@
+"""Launch shapes and run configuration: flags over YAML, the DeepSpeed config, the LR schedule, rank environments,
+and a two-node torchrun rendezvous simulated on one machine (real DeepSpeed, gloo, 1 process per "node").
+
+    .venv/bin/python -m pytest tests/pretrain/test_launch.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.common import REPO_ROOT, UserError
+from pretrain.cli import TrainConfig, resolve_config
+from pretrain.ds_config import build_ds_config
+from pretrain.launch import free_port, last_error_line, rank_env
+from pretrain.metrics import read_metrics
+from pretrain.trainer import LRSchedule
+
+BASE = ["--data", "shards/x", "--out", "runs/x"]
+
+
+def test_flags_override_yaml_and_yaml_overrides_defaults(tmp_path):
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("zero: 3\nmicro-batch: 2\nglobal_batch: 16\nlr: 0.01\nschedule: linear\n"
+                           "deepspeed:\n  zero_optimization:\n    stage3_max_live_parameters: 123\n")
+    config = resolve_config(BASE + ["--config", str(config_file), "--lr", "0.5", "--fp32"])
+    assert (config.zero, config.micro_batch, config.global_batch, config.schedule) == (3, 2, 16, "linear")
+    assert config.lr == 0.5 and config.precision == "fp32" and config.offload == "none"
+    ds = build_ds_config(config, world_size=2, grad_accum=config.grad_accum(2), accelerator="cpu")
+    assert ds["zero_optimization"]["stage3_max_live_parameters"] == 123     # the YAML deepspeed: block, merged last
+    assert ds["zero_optimization"]["stage3_prefetch_bucket_size"] == 50_000_000   # from configs/deepspeed/zero3.yaml
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--zero", "0", "--offload", "cpu"], "needs ZeRO stage 1"),
+    (["--zero", "2", "--offload", "nvme", "--nvme-path", "/nvme"], "needs --zero 3"),
+    (["--zero", "3", "--offload", "nvme"], "--nvme-path"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--lr", "-1"], "--lr must be > 0"),
+])
+def test_bad_settings_are_refused_with_one_clear_line(argv, message):
+    with pytest.raises(UserError, match=message):
+        resolve_config(BASE + argv)
+
+
+def test_yaml_with_unknown_keys_is_refused(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("zero: 2\nmicro_bacth: 4\n")
+    with pytest.raises(UserError, match=r"unknown keys \['micro_bacth'\]"):
+        resolve_config(BASE + ["--config", str(bad)])
+
+
+def test_deepspeed_config_follows_the_flags():
+    config = resolve_config(BASE + ["--zero", "3", "--offload", "nvme", "--nvme-path", "/local_nvme", "--micro-batch",
+                                    "4", "--global-batch", "64", "--grad-clip", "0.5",
+                                    "--stage3-prefetch-bucket-size", "1000", "--stage3-param-persistence-threshold",
+                                    "10"])
+    assert config.grad_accum(2) == 8
+    gpu = build_ds_config(config, world_size=2, grad_accum=8, accelerator="gpu")
+    assert gpu["train_batch_size"] == 64 and gpu["train_micro_batch_size_per_gpu"] == 4
+    assert gpu["gradient_accumulation_steps"] == 8 and gpu["gradient_clipping"] == 0.5
+    assert gpu["bf16"] == {"enabled": True} and "torch_adam" not in gpu["optimizer"]["params"]  # FusedAdam / CPUAdam
+    zero = gpu["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "nvme", "pin_memory": True, "nvme_path": "/local_nvme"}
+    assert zero["offload_param"]["device"] == "nvme"
+    assert zero["stage3_prefetch_bucket_size"] == 1000 and zero["stage3_param_persistence_threshold"] == 10
+    cpu = build_ds_config(resolve_config(BASE + ["--zero", "1"]), world_size=2, grad_accum=1, accelerator="cpu")
+    assert cpu["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                             "weight_decay": 0.0, "torch_adam": True}}
+    assert cpu["bf16"] == {"enabled": False} and cpu["zero_optimization"]["stage"] == 1
+    with pytest.raises(UserError, match="not a multiple"):
+        resolve_config(BASE + ["--micro-batch", "3", "--global-batch", "16"]).grad_accum(2)
+    with pytest.raises(UserError, match="--zero 3 only"):
+        build_ds_config(resolve_config(BASE + ["--zero", "2", "--stage3-max-live-parameters", "5"]), world_size=1,
+                        grad_accum=1, accelerator="cpu")
+
+
+def test_lr_schedules():
+    warm = [LRSchedule("cosine", 4, 20, 0.1)(s) for s in range(20)]
+    assert warm[:4] == [0.25, 0.5, 0.75, 1.0] and warm[-1] == pytest.approx(0.1) and warm[4] < 1.0
+    assert all(a >= b for a, b in zip(warm[3:], warm[4:]))
+    linear = [LRSchedule("linear", 0, 10, 0.0)(s) for s in range(10)]
+    assert linear[-1] == pytest.approx(0.0) and linear[0] == pytest.approx(0.9)
+    inverse = LRSchedule("inverse_sqrt", 100, 1000, 0.0)
+    assert inverse(99) == 1.0 and inverse(399) == pytest.approx(0.5)
+    assert LRSchedule("constant", 0, 5, 0.1)(4) == 1.0
+
+
+def test_rank_environment_as_torchrun_sets_it():
+    assert rank_env({}).launched is False and rank_env({}).world_size == 1
+    env = rank_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size, env.launched) == (3, 1, 4, 2, True)
+    assert not env.is_main
+    port = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))   # still free
+
+
+def test_failure_reason_is_the_rank_logs_last_error(tmp_path):
+    log = tmp_path / "rank-1.log"
+    log.write_text("[WARNING] noise\ncli.py: error: out of memory on rank 1 (...); try ...\n")
+    assert last_error_line(log).startswith("out of memory on rank 1")
+    log.write_text("Traceback (most recent call last):\n  File x\nRuntimeError: gloo timeout\n")
+    assert last_error_line(log) == "RuntimeError: gloo timeout"
+
+
+def test_two_node_rendezvous_with_torchrun_on_one_machine(tiny_shards, tmp_path):
+    """Two torchrun agents (--nnodes 2, node ranks 0 and 1, one process each) meet at 127.0.0.1:PORT."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    port = free_port()
+    out = tmp_path / "two_nodes"
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    agents = [subprocess.Popen(
+        [str(torchrun), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr",
+         "127.0.0.1", "--master-port", str(port), "-m", "pretrain.cli", "--zero", "1", "--model", "t5-tiny",
+         "--data", str(tiny_shards), "--out", str(out), "--steps", "2", "--micro-batch", "4", "--global-batch", "16",
+         "--seed", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT) for node in (0, 1)]
+    try:
+        results = [agent.communicate(timeout=240) for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+    for agent, (stdout, stderr) in zip(agents, results):
+        assert agent.returncode == 0, f"{stdout[-2000:]}\n{stderr[-3000:]}"
+    assert "[preflight]" in results[0][0] and "[done] ok" in results[0][0]
+    assert "[done]" not in results[1][0]                    # only global rank 0 reports
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["world_size"] == 2 and r["grad_accum"] == 2 and r["zero_stage"] == 1 for r in records)
+    config = json.loads((out / "config.json").read_text())
+    assert config["world_size"] == 2 and config["deepspeed"]["train_batch_size"] == 16
