@@ -158,11 +158,6 @@ class ShardDataset:
             labels[where] = chunk_labels[rows]
         return inputs, labels
 
-    def __getitems__(self, indices) -> dict[str, torch.Tensor]:
-        """Batched fetch used by torch's DataLoader: one micro-batch as int64 tensors."""
-        inputs, labels = self.get_batch(indices, dtype=np.int64)
-        return {"input_ids": torch.from_numpy(inputs), "labels": torch.from_numpy(labels)}
-
     def __repr__(self) -> str:
         return (f"ShardDataset({self.source!r}, examples={self.num_examples}, shards={len(self.shard_paths)}, "
                 f"input_length={self.input_length}, target_length={self.target_length})")
