@@ -276,3 +276,19 @@ def test_loader_refuses_bad_shapes_and_late_state(dataset):
     with pytest.raises(UserError, match="inside a micro-batch"):
         fresh.load_state_dict({"seed": 0, "epoch": 0, "consumed_samples": 2})
 
+
+
+def test_reads_a_set_written_by_prep_corpus(tiny_shards, tiny_tokenizer):
+    """The session's real `prep corpus` output (Ray, tokenizers): checked, verified and streamed."""
+    from pipeline.common import sha256_file
+
+    real = ShardDataset(tiny_shards, input_length=128, target_length=29,
+                        tokenizer_sha256=sha256_file(tiny_tokenizer), verify=True)
+    assert len(real) == real.manifest["totals"]["examples"] > 0
+    with make_loader(real, micro_batch_size=4, global_batch_size=16, seed=0, num_workers=2) as loader:
+        batch = next(iter(loader))
+    assert batch["input_ids"].shape == (4, 128) and batch["labels"].shape == (4, 29)
+    eos_id = real.manifest["tokenizer"]["eos_id"]
+    assert (batch["input_ids"][:, -1] == eos_id).all() and (batch["labels"][:, -1] == eos_id).all()
+    inputs, labels = real.get_batch(loader.sampler.global_batch(0, 0)[:4])
+    assert np.array_equal(inputs, batch["input_ids"].numpy()) and np.array_equal(labels, batch["labels"].numpy())
