@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from pipeline.common import UserError, sha256_file
 from pipeline.shard_format import INPUT_COLUMN, LABEL_COLUMN, read_manifest
-from pretrain.storage import resolve_shard_dir
+from pretrain.storage import is_url, resolve_shard_dir
 
 
 class ShardDataset:
@@ -57,8 +57,9 @@ class ShardDataset:
         if not shards:
             raise UserError(f"{self.root}: the manifest lists no shards (the corpus gave no examples); "
                             f"check `rejected` in manifest.json and rerun `prep corpus` on more text")
+        hashed_by_cache = is_url(self.source)  # a URL's cache fill hashed every shard it downloaded or reused
         for shard in shards:
-            self._check_shard_file(shard, verify)
+            self._check_shard_file(shard, verify and not hashed_by_cache)
         self.shard_paths = [str(self.root / s["path"]) for s in shards]
         self.shard_rows = np.array([int(s["rows"]) for s in shards], dtype=np.int64)
         self.num_examples = int(self.shard_rows.sum())

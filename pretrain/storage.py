@@ -89,7 +89,7 @@ def resolve_shard_dir(path_or_url: str | os.PathLike, *, cache_dir: str | os.Pat
         return local_dir
     with _cache_lock(local_dir):  # ranks of one node sharing a cache: one downloads, the others then reuse it
         if refresh or not _cache_complete(local_dir, verify=verify):
-            _download_shard_set(text, local_dir, storage_options, verify=verify)
+            _download_shard_set(text, local_dir, storage_options)
     return local_dir
 
 
@@ -130,8 +130,8 @@ def _cached_shard_ok(path: Path, shard: dict[str, Any], *, verify: bool) -> bool
     return not verify or sha256_file(path) == shard["sha256"]
 
 
-def _download_shard_set(url: str, local_dir: Path, storage_options: dict[str, Any] | None,
-                        *, verify: bool) -> None:
+def _download_shard_set(url: str, local_dir: Path, storage_options: dict[str, Any] | None) -> None:
+    """Fetch the manifest, then every shard not already cached intact (hashed), then write the manifest."""
     fs = open_filesystem(url, storage_options)
     remote_root = url.rstrip("/")
     manifest_url = f"{remote_root}/{MANIFEST_NAME}"

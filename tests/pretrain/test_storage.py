@@ -111,6 +111,19 @@ def test_ranks_sharing_a_cache_download_once_and_all_open_it(remote_set, tmp_pat
     assert all(np.array_equal(d.get_batch(np.arange(20))[0], first) for d in opened[1:])
 
 
+def test_verify_refetches_a_corrupted_cached_shard(remote_set, tmp_path):
+    local, url = remote_set
+    cache = tmp_path / "cache"
+    root = ShardDataset(url, cache_dir=cache).root
+    shard = root / "data" / "part-00000-0000.arrow"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # inside the token data, same size: only a checksum notices
+    shard.write_bytes(bytes(raw))
+    expected = ShardDataset(local).get_batch(np.arange(6))[0]
+    assert not np.array_equal(ShardDataset(url, cache_dir=cache).get_batch(np.arange(6))[0], expected)
+    assert np.array_equal(ShardDataset(url, cache_dir=cache, verify=True).get_batch(np.arange(6))[0], expected)
+
+
 def test_cache_dir_from_environment(remote_set, tmp_path, monkeypatch):
     _, url = remote_set
     monkeypatch.setenv("T5ZERO_CACHE", str(tmp_path / "envcache"))
