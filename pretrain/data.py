@@ -69,8 +69,9 @@ class ShardDataset:
     def _check_expected(self, input_length, target_length, tokenizer_sha256) -> None:
         where = self.root / "manifest.json"
         if input_length is not None and int(input_length) != self.input_length:
-            raise UserError(f"{where}: shards have input_length {self.input_length}, the run expects {input_length}; "
-                            f"rebuild them with `prep corpus --input-length {input_length}` or use a matching set")
+            raise UserError(f"{where}: shards have input_length {self.input_length}, the run expects "
+                            f"{input_length}; rebuild them with `prep corpus --input-length {input_length}` or "
+                            f"use a matching set")
         if target_length is not None and int(target_length) != self.target_length:
             raise UserError(f"{where}: shards have target_length {self.target_length}, the run expects "
                             f"{target_length}; rebuild them with `prep corpus` at the --input-length / "
@@ -320,8 +321,8 @@ class ShardLoader:
 
     `grad_accum` micro-batches make this rank's share of one global batch. Each DataLoader task fetches a
     group of `fetch_group` consecutive micro-batches (about FETCH_BYTES) as one tensor, so a worker hands
-    over one message per group and `prefetch_factor` counts groups. Positions are counted as the consumer receives each micro-batch,
-    never when a worker prefetches it.
+    over one message per group and `prefetch_factor` counts groups. Positions are counted as the consumer
+    receives each micro-batch, never when a worker prefetches it.
     """
 
     def __init__(self, dataset: ShardDataset, sampler: GlobalOrderSampler, micro_batch_size: int, *,
@@ -390,8 +391,8 @@ class ShardLoader:
             raise RuntimeError("load_state_dict must be called before iterating the loader")
         self.sampler.load_state_dict(state)
         if self.sampler.rank_position % self.micro_batch_size:
-            raise UserError(f"sampler state {dict(state)} stops inside a micro-batch of {self.micro_batch_size}; "
-                            f"resume from a checkpoint saved after an optimizer step")
+            raise UserError(f"sampler state {dict(state)} stops inside a micro-batch of "
+                            f"{self.micro_batch_size}; resume from a checkpoint saved after an optimizer step")
         self.dataloader.generator.manual_seed(self.sampler.seed)
 
 

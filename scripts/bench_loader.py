@@ -5,9 +5,10 @@
 Writes (or reuses) a synthetic shard set of about --size-gib in the real format under .bench/ (git-ignored),
 then, in this one run: time-to-first-batch of make_loader (ShardDataset open -> first micro-batch), and
 samples/s and tokens/s of both paths at the same micro-batch size, worker count and random order, after a
-few warm-up batches. make_loader is run at each --global-batch (its workers fetch up to a rank's share of
-a global batch per task); the HF path has no global batch (a plain DataLoader of micro-batches). The shards are in the page cache for both paths (just written or read), so this
-measures the loader's own cost, not the disk.
+few warm-up batches, both paths alternated --repeats times (medians). make_loader runs at each
+--global-batch (it only sets the order; its tasks fetch about 4 MiB of micro-batches each); the HF path has
+no global batch (a plain DataLoader of micro-batches). The shards are in the page cache for both paths
+(just written or read), so this measures the loaders' own cost, not the disk.
 """
 
 from __future__ import annotations

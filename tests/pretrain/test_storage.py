@@ -1,4 +1,4 @@
-"""s3:// shard sets against a real S3-compatible server (moto, started here on loopback): cache, checks, offline reuse.
+"""s3:// shard sets against a real S3-compatible server (moto, on loopback): cache, checks, offline reuse.
 
     .venv/bin/python -m pytest tests/pretrain/test_storage.py -q
 """
