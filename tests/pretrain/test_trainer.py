@@ -6,7 +6,7 @@ Launches (each a real `python -m pretrain.cli` run, 6 steps of 16 examples, grad
   ref    ZeRO 2, 2 ranks, uninterrupted, checkpoints at 3 and 6
   stop2  ZeRO 2, 2 ranks, --stop-after 3  ->  resume2: --resume to step 6 (a half-written step-5 checkpoint and a
          stale metrics line are planted in between: neither may be used)
-  stop0 / stop1 / stop3  ZeRO 0 / 1 / 3, --stop-after 3 (the stage comparison)
+  stop0 / stop1 / stop3  ZeRO 0 / 1 / 3, --stop-after 3 (the stage comparison); 0 and 3 also --export-hf
   one    --nproc 1 --resume from stop0's checkpoint (ZeRO 0: 2 ranks -> 1, grad accumulation 2 -> 4)
   wrong  --nproc 1 --resume from stop2's ZeRO 2 checkpoint: must fail with one line
 """
@@ -66,7 +66,8 @@ class Runs:
         return self.metrics("ref")
 
     def stopped(self, stage: int):
-        self.run(f"stop{stage}", "--zero", str(stage), "--nproc", "2", "--stop-after", str(HALF))
+        export = ["--export-hf", str(self.dir(f"stop{stage}") / "hf")] if stage in (0, 3) else []
+        self.run(f"stop{stage}", "--zero", str(stage), "--nproc", "2", "--stop-after", str(HALF), *export)
         return self.metrics(f"stop{stage}")
 
 
@@ -169,3 +170,16 @@ def test_resuming_zero2_partitions_at_another_rank_count_fails_with_one_line(run
     assert result.returncode == 2, result.stderr[-2000:]
     assert "saved by 2 ranks at ZeRO 2" in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_export_hf_gathers_zero3_partitions(runs):
+    from transformers import T5ForConditionalGeneration
+
+    runs.stopped(0)
+    runs.stopped(3)
+    zero0 = T5ForConditionalGeneration.from_pretrained(runs.dir("stop0") / "hf").state_dict()
+    zero3 = T5ForConditionalGeneration.from_pretrained(runs.dir("stop3") / "hf").state_dict()
+    assert zero0.keys() == zero3.keys() and len(zero0) > 10
+    for name, tensor in zero0.items():
+        assert tensor.shape == zero3[name].shape, name
+        assert float((tensor - zero3[name]).abs().max()) < 1e-4, name
