@@ -156,13 +156,38 @@ def test_sweep_records_failures_goes_on_and_skips_finished_points(tiny_shards, t
 
 
 def test_a_point_past_its_timeout_is_stopped_and_recorded(tiny_shards, tmp_path):
-    grid_path = write_grid(tmp_path / "grid.yaml", base={"timeout_s": 3, "steps": 400})
+    # 4000 steps cannot finish in 15 s; by then pretrain has spawned its 2 ranks (in sessions of their own).
+    grid_path = write_grid(tmp_path / "grid.yaml", base={"timeout_s": 15, "steps": 4000})
     out = tmp_path / "study"
     result = run_cli("run", str(grid_path), "--out", str(out), "--data", str(tiny_shards))
     assert result.returncode == 1                       # no point finished
-    assert "TIMEOUT: no result within timeout_s=3" in result.stdout
-    record = json.loads((out / "runs" / "t5-tiny-z2-none-mb2-w0-n2" / study.POINT_FILE).read_text())
-    assert record["status"] == "timeout" and record["wall_s"] < 60
+    assert "TIMEOUT: no result within timeout_s=15" in result.stdout
+    run_dir = out / "runs" / "t5-tiny-z2-none-mb2-w0-n2"
+    record = json.loads((run_dir / study.POINT_FILE).read_text())
+    assert record["status"] == "timeout" and record["wall_s"] < 75
+    assert (run_dir / "logs" / "rank-1.log").is_file()  # the ranks had started
     # Nothing of the launch is left running: no process still has the run dir on its command line.
-    leftover = subprocess.run(["pgrep", "-f", str(out / "runs")], capture_output=True, text=True)
+    leftover = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
     assert leftover.stdout.strip() == ""
+
+
+def test_a_prep_spec_that_fails_names_the_grid_file(tmp_path):
+    grid_path = write_grid(tmp_path / "grid.yaml", data={"input": str(tmp_path / "missing.jsonl"),
+                                                         "tokenizer": str(tmp_path / "missing.json")})
+    result = run_cli("run", str(grid_path), "--out", str(tmp_path / "study"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"{grid_path}: `prep corpus` failed (" in result.stderr and "pass --data" in result.stderr
+
+
+@pytest.mark.slow
+def test_the_cpu_demo_grid_end_to_end(tmp_path):
+    """configs/study/cpu-tiny.yaml as shipped: tokenizer and shards prepared once, 8 real launches, the report."""
+    out = tmp_path / "cpu-tiny"
+    result = run_cli("run", str(CONFIGS_DIR / "study" / "cpu-tiny.yaml"), "--out", str(out), timeout=1200)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "8 points: 8 ok, 0 oom, 0 failed, 0 timeout" in result.stdout
+    with open(out / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["zero"], r["loader_workers"]) for r in rows} == {(str(z), str(w)) for z in range(4) for w in (0, 2)}
+    assert all(float(r["tokens_per_s"]) > 0 and r["steps_measured"] == "25" for r in rows)
+    assert "fastest that fits is ZeRO-" in (out / "report.md").read_text()
