@@ -88,6 +88,8 @@ def test_get_batch_equals_row_by_row_in_the_given_order(dataset):
     assert inputs.dtype == np.int64 and inputs.shape == (17, 8) and labels.shape == (17, 4)
     assert np.array_equal(inputs, np.stack([dataset[i]["input_ids"] for i in order]))
     assert np.array_equal(labels, np.stack([dataset[i]["labels"] for i in order]))
+    empty_inputs, empty_labels = dataset.get_batch([])
+    assert empty_inputs.shape == (0, 8) and empty_labels.shape == (0, 4)
     with pytest.raises(IndexError):
         dataset.get_batch([0, 40])
 
