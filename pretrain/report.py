@@ -323,10 +323,16 @@ def _setup_section(rows: list[dict[str, Any]], setup: dict[str, Any]) -> str:
         steps = sorted({r["steps"] for r in rows if r.get("steps")})
         batches = sorted({r["global_batch"] for r in rows if r.get("global_batch")})
         lines.append(f"- Every point: steps {steps}, global batch {batches}.")
+    if setup.get("earlier_machines"):
+        lines.append(f"- Note: some points ran earlier on other machines ({len(setup['earlier_machines'])} recorded "
+                     f"in study.json); compare rows with care.")
     commands = setup.get("commands") or []
     text = "\n".join(lines)
     if commands:
         text += "\n- Commands:\n\n```\n" + "\n".join(commands) + "\n```"
+    if setup.get("point_command"):
+        text += "\n- One point's own launch (each point is one such `pretrain` command):\n\n```\n" \
+                + setup["point_command"] + "\n```"
     methods = sorted({r["est_method"] for r in rows if r.get("est_method")})
     text += ("\n- Numbers are medians over the steady-state steps of each point; `data wait` is the share of step "
              "time spent blocked on the next batch (total wait / total step time over those steps); `peak` is the "

@@ -510,15 +510,20 @@ def result_row(record: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     return row
 
 
-def collect_rows(study_dir: Path) -> list[dict[str, Any]]:
-    """Rows for every finished point under STUDY/runs, in grid order where known, else by id."""
+def finished_points(study_dir: Path) -> list[tuple[dict[str, Any], Path]]:
+    """(record, run dir) of every finished point under STUDY/runs, in grid order where known, else by id."""
     runs = study_dir / RUNS_DIR
-    records = []
+    found = []
     for run_dir in sorted(p for p in runs.iterdir() if p.is_dir()) if runs.is_dir() else []:
         record = read_point_record(run_dir)
         if record is not None:
-            records.append((record.get("order", 1 << 30), run_dir.name, record, run_dir))
-    return [result_row(record, run_dir) for _, _, record, run_dir in sorted(records, key=lambda r: r[:2])]
+            found.append((record.get("order", 1 << 30), run_dir.name, record, run_dir))
+    return [(record, run_dir) for _, _, record, run_dir in sorted(found, key=lambda r: r[:2])]
+
+
+def collect_rows(study_dir: Path) -> list[dict[str, Any]]:
+    """One results.csv row per finished point."""
+    return [result_row(record, run_dir) for record, run_dir in finished_points(study_dir)]
 
 
 def rebuild_report(study_dir: Path) -> dict[str, Path]:
@@ -526,7 +531,10 @@ def rebuild_report(study_dir: Path) -> dict[str, Path]:
     study_dir = Path(study_dir)
     state_path = study_dir / STUDY_FILE
     setup = json.loads(state_path.read_text()) if state_path.is_file() else {}
-    rows = collect_rows(study_dir)
+    points = finished_points(study_dir)
+    rows = [result_row(record, run_dir) for record, run_dir in points]
+    if points:  # one point's exact command, to reproduce it by hand
+        setup["point_command"] = shlex.join(points[0][0]["command"])
     if not rows and (study_dir / report.RESULTS_CSV).is_file():
         rows = report.read_results_csv(study_dir / report.RESULTS_CSV)
     if not rows:
@@ -566,8 +574,14 @@ def run_study(grid_path: str | os.PathLike, study_dir: str | os.PathLike, *, dat
     shards = prepare_shards(grid, study_dir, data)
     manifest = read_manifest(shards)
     state = check_study_dir(study_dir, shards, manifest)
+    machine = machine_info()
+    earlier = state.get("machine")
+    if earlier and (earlier.get("gpus"), earlier.get("cpus")) != (machine["gpus"], machine["cpus"]):
+        print(f"note: earlier points of {study_dir} ran on another machine ({earlier.get('cpus')} CPUs, GPUs "
+              f"{earlier.get('gpus') or 'none'}); their rows are not comparable with new ones", flush=True)
+        state["earlier_machines"] = (state.get("earlier_machines") or []) + [earlier]
     state.update(study=grid.name, grid_file=str(grid.source), grid=yaml.safe_load(grid.source.read_text()),
-                 shard_set=shard_summary(shards, manifest), machine=machine_info(), base=asdict(grid.base))
+                 shard_set=shard_summary(shards, manifest), machine=machine, base=asdict(grid.base))
     state["commands"] = (state.get("commands") or []) + [shlex.join(argv or ["study", "run", str(grid_path),
                                                                                 "--out", str(study_dir)])]
     atomic_write_json(study_dir / STUDY_FILE, state)
