@@ -31,7 +31,7 @@ import yaml
 
 from pipeline.common import UserError, atomic_write_json
 from pipeline.shard_format import read_manifest
-from pretrain import launch, report
+from pretrain import launch, report, storage
 
 AXES = ("model", "zero", "offload", "micro_batch", "loader_workers", "nproc", "activation_checkpointing")
 AXIS_DEFAULTS: dict[str, list[Any]] = {"offload": ["none"], "loader_workers": [0], "nproc": [1],
@@ -235,7 +235,7 @@ def console_script(name: str) -> list[str]:
     raise UserError(f"`{name}` is not installed; run `pip install -e .` in the repository")
 
 
-def pretrain_command(grid: StudyGrid, point: Point, shards: Path, run_dir: Path) -> list[str]:
+def pretrain_command(grid: StudyGrid, point: Point, shards: str | Path, run_dir: Path) -> list[str]:
     """The `pretrain` command line of one point (interface 5)."""
     base = grid.base
     command = list(grid.pretrain_command or console_script("pretrain"))
@@ -285,33 +285,33 @@ def _run_prep(source: Path, subcommand: str, spec: dict[str, Any], out: Path) ->
                         f"shards yourself and pass --data")
 
 
-def prepare_shards(grid: StudyGrid, study_dir: Path, data_override: str | None) -> Path:
-    """The study's shard set: --data, else the grid's path, else `prep corpus` run once into STUDY/shards.
+def prepare_shards(grid: StudyGrid, study_dir: Path, data_override: str | None) -> str:
+    """The study's shard set: --data, else the grid's path or URL, else `prep corpus` run once into STUDY/shards.
 
     In a prep spec, `tokenizer` is a tokenizer.json path, or a mapping of `prep tokenizer` flags
     ({input: sample, vocab_size: 1024}) that is trained once into STUDY/tokenizer. Other keys are
     `prep corpus` flags (input_length: 128 -> --input-length 128).
     """
     if data_override:
-        return Path(data_override)
+        return data_override
     if grid.data is None:
         raise UserError(f"{grid.source}: no data; add `data: shards/NAME` (or a prep spec) or pass --data SHARDS")
     if isinstance(grid.data, str):
-        return Path(grid.data)
+        return grid.data
     spec = dict(grid.data)
     out = Path(spec.pop("out", study_dir / "shards"))
     if (out / "manifest.json").is_file():
-        return out
+        return str(out)
     if isinstance(spec["tokenizer"], dict):
         tokenizer_dir = study_dir / "tokenizer"
         if not (tokenizer_dir / "tokenizer.json").is_file():
             _run_prep(grid.source, "tokenizer", spec["tokenizer"], tokenizer_dir)
         spec["tokenizer"] = str(tokenizer_dir / "tokenizer.json")
     _run_prep(grid.source, "corpus", spec, out)
-    return out
+    return str(out)
 
 
-def check_study_dir(study_dir: Path, shards: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+def check_study_dir(study_dir: Path, shards: str, manifest: dict[str, Any]) -> dict[str, Any]:
     """Load (or start) STUDY/study.json; refuse a second shard set in one study directory."""
     path = study_dir / STUDY_FILE
     if path.is_file():
@@ -323,7 +323,7 @@ def check_study_dir(study_dir: Path, shards: Path, manifest: dict[str, Any]) -> 
     return {"fingerprint": manifest["fingerprint"], "shards": str(shards), "commands": []}
 
 
-def shard_summary(shards: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+def shard_summary(shards: str, manifest: dict[str, Any]) -> dict[str, Any]:
     config, totals = manifest.get("config", {}), manifest.get("totals", {})
     return {"path": str(shards), "fingerprint": manifest["fingerprint"],
             "examples": totals.get("examples"), "shards": totals.get("shards", len(manifest.get("shards", []))),
@@ -562,7 +562,7 @@ def run_study(grid_path: str | os.PathLike, study_dir: str | os.PathLike, *, dat
     points = grid.points()
     runs = study_dir / RUNS_DIR
     if dry_run:  # no prep, no launches: show what would run
-        shards = Path(data or (grid.data if isinstance(grid.data, str) else study_dir / "shards"))
+        shards = data or (grid.data if isinstance(grid.data, str) else str(study_dir / "shards"))
         for index, point in enumerate(points, 1):
             record = read_point_record(runs / point.point_id)
             state = f"  [done: {record['status']}]" if record else ""
@@ -572,7 +572,8 @@ def run_study(grid_path: str | os.PathLike, study_dir: str | os.PathLike, *, dat
         return {"points": len(points), "launched": 0}
 
     shards = prepare_shards(grid, study_dir, data)
-    manifest = read_manifest(shards)
+    # A URL (s3://...) is fetched once into the shared cache, which every launch then reuses.
+    manifest = read_manifest(storage.resolve_shard_dir(shards))
     state = check_study_dir(study_dir, shards, manifest)
     machine = machine_info()
     earlier = state.get("machine")
