@@ -96,7 +96,8 @@ def _fmt(value: Any, spec: str = ".3g", scale: float = 1.0, suffix: str = "") ->
     return f"{value * scale:{spec}}{suffix}"
 
 
-def _rate(tokens_per_s: float | None) -> str:
+def format_rate(tokens_per_s: float | None) -> str:
+    """41234.5 -> "41.2k tok/s"; None -> "–"."""
     if tokens_per_s is None:
         return "–"
     return f"{tokens_per_s / 1e3:.1f}k tok/s" if tokens_per_s >= 1e3 else f"{tokens_per_s:.0f} tok/s"
@@ -160,7 +161,7 @@ def fastest_that_fits(rows: list[dict[str, Any]]) -> list[str]:
             continue
         best = ok[0]
         mfu = "" if best.get("mfu") is None else f"MFU {best['mfu']:.1%}, "
-        text = (f"- {name}: fastest that fits is {_describe(best)}: {_rate(best['tokens_per_s'])}"
+        text = (f"- {name}: fastest that fits is {_describe(best)}: {format_rate(best['tokens_per_s'])}"
                 f" ({mfu}step {_fmt(best.get('step_time_s'), '.3g', 1, ' s')}"
                 f"; peak memory {_fmt(best.get('peak_mem_gib'), '.3g', 1, ' GiB')} measured, estimate "
                 f"{_fmt(best.get('est_gpu_gib'), '.3g', 1, ' GiB')} per device).")
@@ -174,7 +175,7 @@ def fastest_that_fits(rows: list[dict[str, Any]]) -> list[str]:
                 and r["tokens_per_s"] >= best["tokens_per_s"] * (1 - margin(r))]
         if ties:
             text += (" Within the measurement spread of it: " + "; ".join(
-                f"{_describe(r)} ({_rate(r['tokens_per_s'])}, {1 - r['tokens_per_s'] / best['tokens_per_s']:.1%} "
+                f"{_describe(r)} ({format_rate(r['tokens_per_s'])}, {1 - r['tokens_per_s'] / best['tokens_per_s']:.1%} "
                 f"slower, spread {margin(r):.1%})" for r in ties[:3])
                 + ": on this data they tie, more steps would separate them.")
         lines.append(text + failed_text)
@@ -286,7 +287,7 @@ def stage_comparison(rows: list[dict[str, Any]]) -> str:
                              _fmt(_largest(stage_rows, "est_cpu_gib"), ".3g"), f"{count} ({statuses})"])
                 continue
             best = max(stage_ok, key=lambda r: r["tokens_per_s"])
-            body.append([stage_label(zero, offload), _rate(best["tokens_per_s"]),
+            body.append([stage_label(zero, offload), format_rate(best["tokens_per_s"]),
                          _fmt(best["tokens_per_s"] / fastest, ".2f", 1, "x"), _fmt(best.get("step_time_s"), ".3g"),
                          _fmt(best.get("data_wait_share"), ".2f", 100, "%"),
                          _fmt(_largest(stage_ok, "peak_mem_gib"), ".3g"),

@@ -323,6 +323,22 @@ def check_study_dir(study_dir: Path, shards: str, manifest: dict[str, Any]) -> d
     return {"fingerprint": manifest["fingerprint"], "shards": str(shards), "commands": []}
 
 
+def record_study_start(grid: StudyGrid, study_dir: Path, shards: str, manifest: dict[str, Any],
+                       argv: list[str]) -> None:
+    """Write STUDY/study.json: shard set, machine, grid, base settings, and this command appended."""
+    state = check_study_dir(study_dir, shards, manifest)
+    machine = machine_info()
+    earlier = state.get("machine")
+    if earlier and (earlier.get("gpus"), earlier.get("cpus")) != (machine["gpus"], machine["cpus"]):
+        print(f"note: earlier points of {study_dir} ran on another machine ({earlier.get('cpus')} CPUs, GPUs "
+              f"{earlier.get('gpus') or 'none'}); their rows are not comparable with new ones", flush=True)
+        state["earlier_machines"] = (state.get("earlier_machines") or []) + [earlier]
+    state.update(study=grid.name, grid_file=str(grid.source), grid=yaml.safe_load(grid.source.read_text()),
+                 shard_set=shard_summary(shards, manifest), machine=machine, base=asdict(grid.base))
+    state["commands"] = (state.get("commands") or []) + [shlex.join(argv)]
+    atomic_write_json(study_dir / STUDY_FILE, state)
+
+
 def shard_summary(shards: str, manifest: dict[str, Any]) -> dict[str, Any]:
     config, totals = manifest.get("config", {}), manifest.get("totals", {})
     return {"path": str(shards), "fingerprint": manifest["fingerprint"],
@@ -545,12 +561,6 @@ def rebuild_report(study_dir: Path) -> dict[str, Path]:
 
 # ----------------------------------------------------------------------------------------------- the sweep
 
-def _fmt_rate(tokens_per_s: float | None) -> str:
-    if tokens_per_s is None:
-        return "n/a"
-    return f"{tokens_per_s / 1e3:.1f}k tok/s" if tokens_per_s >= 1e3 else f"{tokens_per_s:.0f} tok/s"
-
-
 def run_study(grid_path: str | os.PathLike, study_dir: str | os.PathLike, *, data: str | None = None,
               dry_run: bool = False, retry_failed: bool = False, argv: list[str] | None = None) -> dict[str, Any]:
     """Run every unfinished point of a grid, then rebuild results.csv, report.md and the plots.
@@ -574,18 +584,8 @@ def run_study(grid_path: str | os.PathLike, study_dir: str | os.PathLike, *, dat
     shards = prepare_shards(grid, study_dir, data)
     # A URL (s3://...) is fetched once into the shared cache, which every launch then reuses.
     manifest = read_manifest(storage.resolve_shard_dir(shards))
-    state = check_study_dir(study_dir, shards, manifest)
-    machine = machine_info()
-    earlier = state.get("machine")
-    if earlier and (earlier.get("gpus"), earlier.get("cpus")) != (machine["gpus"], machine["cpus"]):
-        print(f"note: earlier points of {study_dir} ran on another machine ({earlier.get('cpus')} CPUs, GPUs "
-              f"{earlier.get('gpus') or 'none'}); their rows are not comparable with new ones", flush=True)
-        state["earlier_machines"] = (state.get("earlier_machines") or []) + [earlier]
-    state.update(study=grid.name, grid_file=str(grid.source), grid=yaml.safe_load(grid.source.read_text()),
-                 shard_set=shard_summary(shards, manifest), machine=machine, base=asdict(grid.base))
-    state["commands"] = (state.get("commands") or []) + [shlex.join(argv or ["study", "run", str(grid_path),
-                                                                                "--out", str(study_dir)])]
-    atomic_write_json(study_dir / STUDY_FILE, state)
+    record_study_start(grid, study_dir, shards, manifest,
+                       argv or ["study", "run", str(grid_path), "--out", str(study_dir)])
 
     counts = {status: 0 for status in FINISHED_STATUSES} | {"points": len(points), "skipped": 0, "launched": 0}
     sweep_start = time.monotonic()
@@ -614,7 +614,7 @@ def run_study(grid_path: str | os.PathLike, study_dir: str | os.PathLike, *, dat
         counts["launched"] += 1
         if outcome.status == "ok":
             medians = summarize_metrics(read_metrics(run_dir / "metrics.jsonl"), grid.base.skip_steps)
-            result = f"{_fmt_rate(medians.get('tokens_per_s'))} ({outcome.wall_s:.0f}s)"
+            result = f"{report.format_rate(medians.get('tokens_per_s'))} ({outcome.wall_s:.0f}s)"
         else:
             result = f"{outcome.status.upper()}: {outcome.reason} ({outcome.wall_s:.0f}s)"
         print(f"\r{prefix} ... {result}" if sys.stdout.isatty() else f" {result}", flush=True)
