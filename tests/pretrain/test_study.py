@@ -112,22 +112,29 @@ def test_study_refuses_a_second_shard_set(tiny_shards, tmp_path):
 
 
 def test_sweep_records_failures_goes_on_and_skips_finished_points(tiny_shards, tmp_path):
-    # Two points on 2 gloo ranks: micro batch 2 trains; micro batch 3 cannot divide the global batch of 8.
-    grid_path = write_grid(tmp_path / "grid.yaml", grid={"micro_batch": [3, 2]})
+    # Three points on 2 gloo ranks: micro batch 2 trains; micro batch 3 cannot divide the global batch of 8;
+    # mt5-xxl (13B) is refused by pretrain's memory preflight on this host: recorded as oom.
+    grid_path = write_grid(tmp_path / "grid.yaml", grid={"micro_batch": [3, 2]},
+                           include=[{"model": "mt5-xxl", "micro_batch": 2}])
     out = tmp_path / "study"
     first = run_cli("run", str(grid_path), "--out", str(out), "--data", str(tiny_shards))
     assert first.returncode == 0, first.stdout + first.stderr
     lines = first.stdout.splitlines()
-    assert lines[0].startswith("[1/2] t5-tiny zero=2 offload=none mb=3 w=0 n=2 ... FAILED: ")
+    assert lines[0].startswith("[1/3] t5-tiny zero=2 offload=none mb=3 w=0 n=2 ... FAILED: ")
     assert "not a multiple of --micro-batch 3" in lines[0]
-    assert lines[1].startswith("[2/2] t5-tiny zero=2 offload=none mb=2 w=0 n=2 ... ") and "tok/s" in lines[1]
-    assert "2 points: 1 ok, 0 oom, 1 failed, 0 timeout (0 skipped as finished, 2 launched)" in first.stdout
+    assert lines[1].startswith("[2/3] t5-tiny zero=2 offload=none mb=2 w=0 n=2 ... ") and "tok/s" in lines[1]
+    assert lines[2].startswith("[3/3] mt5-xxl zero=2 offload=none mb=2 w=0 n=2 ... OOM: ") and "will not fit" in lines[2]
+    assert "3 points: 1 ok, 1 oom, 1 failed, 0 timeout (0 skipped as finished, 3 launched)" in first.stdout
 
     with open(out / "results.csv", newline="") as f:
         rows = {row["point_id"]: row for row in csv.DictReader(f)}
     failed, ok = rows["t5-tiny-z2-none-mb3-w0-n2"], rows["t5-tiny-z2-none-mb2-w0-n2"]
     assert failed["status"] == "failed" and "not a multiple of --micro-batch 3" in failed["reason"]
     assert failed["tokens_per_s"] == ""
+    assert rows["mt5-xxl-z2-none-mb2-w0-n2"]["status"] == "oom"
+    markdown = (out / "report.md").read_text()
+    assert "**mt5-xxl**: no configuration finished" in markdown and "oom at ZeRO-2 mb=2" in markdown
+    assert "**t5-tiny**: fastest that fits is ZeRO-2, micro batch 2, 0 loader workers" in markdown
     metrics = [json.loads(line) for line in (out / "runs" / ok["point_id"] / "metrics.jsonl").read_text().splitlines()]
     assert ok["status"] == "ok" and len(metrics) == 4 and ok["steps_measured"] == "3"
     steady = sorted(m["tokens_per_s"] for m in metrics[1:])
@@ -145,12 +152,14 @@ def test_sweep_records_failures_goes_on_and_skips_finished_points(tiny_shards, t
 
     again = run_cli("run", str(grid_path), "--out", str(out), "--data", str(tiny_shards))
     assert again.returncode == 0
-    assert "(2 skipped as finished, 0 launched)" in again.stdout and again.stdout.count("skipped (") == 2
+    assert "(3 skipped as finished, 0 launched)" in again.stdout and again.stdout.count("skipped (") == 3
 
     retry = run_cli("run", str(grid_path), "--out", str(out), "--data", str(tiny_shards), "--retry-failed")
     assert retry.returncode == 0
-    assert "[1/2] t5-tiny zero=2 offload=none mb=3 w=0 n=2 ... FAILED" in retry.stdout
-    assert "[2/2] t5-tiny zero=2 offload=none mb=2 w=0 n=2 ... skipped (ok earlier)" in retry.stdout
+    assert "[1/3] t5-tiny zero=2 offload=none mb=3 w=0 n=2 ... FAILED" in retry.stdout
+    assert "[2/3] t5-tiny zero=2 offload=none mb=2 w=0 n=2 ... skipped (ok earlier)" in retry.stdout
+    assert "[3/3] mt5-xxl zero=2 offload=none mb=2 w=0 n=2 ... OOM" in retry.stdout
+    assert "(1 skipped as finished, 2 launched)" in retry.stdout
     assert (out / "runs" / ok["point_id"] / study.POINT_FILE).stat().st_mtime_ns == ok_mtime
     assert len(state["commands"]) == 1 and len(json.loads((out / study.STUDY_FILE).read_text())["commands"]) == 3
 
