@@ -1,0 +1,428 @@
+"""T5 v1.1 / mT5 encoder-decoder in plain PyTorch, readable top to bottom (one config, one file).
+
+    model = build("mt5-base", seed=0); loss = model(input_ids, labels=labels)
+
+Architecture (T5 v1.1 / mT5, as in HF `T5ForConditionalGeneration` with `feed_forward_proj="gated-gelu"`):
+RMSNorm without bias (statistics in fp32), gated-GELU feed-forward (tanh approximation), pre-norm residual
+blocks, relative position buckets whose bias is computed once per stack and shared by its layers, no
+scaling of attention scores (T5 folds 1/sqrt(d_kv) into the init), an untied LM head without rescaling,
+and no dropout by default. Attention runs through `scaled_dot_product_attention` with the position bias as
+the additive mask (scale=1.0). The loss never materialises the full fp32 logits: it walks the target
+tokens in chunks and computes logits, cross-entropy and their gradients chunk by chunk.
+
+Weights are stored fused where that saves kernel launches (q|k|v, k|v of cross-attention, wi_0|wi_1);
+`pretrain/hf.py` maps them to and from HF's names. This module must not import `transformers`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pipeline.common import CONFIGS_DIR, UserError
+
+MODELS_DIR = CONFIGS_DIR / "models"
+
+
+@dataclass
+class T5Config:
+    """Shape and conventions of a T5 v1.1 / mT5 model (field names as in HF's `T5Config`)."""
+
+    vocab_size: int
+    d_model: int
+    d_kv: int                      # size of one attention head
+    d_ff: int                      # inner size of the gated-GELU feed-forward
+    num_layers: int                # encoder blocks
+    num_decoder_layers: int
+    num_heads: int
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    dropout_rate: float = 0.0
+    layer_norm_epsilon: float = 1e-6
+    pad_token_id: int = 0
+    eos_token_id: int = 1
+    decoder_start_token_id: int = 0
+    tie_word_embeddings: bool = False
+    activation_checkpointing: bool = False
+    name: str = ""
+    loss_chunk_tokens: int = 4096  # target tokens per chunk of the LM-head loss (bounds logits memory)
+
+    def __post_init__(self):
+        positive = ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
+                    "relative_attention_num_buckets", "relative_attention_max_distance", "loss_chunk_tokens")
+        for field in positive:
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise UserError(f"model config {self.name or '?'}: {field} must be a positive integer, got {value!r}")
+        if not 0.0 <= self.dropout_rate < 1.0:
+            raise UserError(f"model config {self.name or '?'}: dropout_rate must be in [0, 1), got {self.dropout_rate}")
+        if self.relative_attention_num_buckets % 2:
+            raise UserError(f"model config {self.name or '?'}: relative_attention_num_buckets must be even "
+                            f"(half for each direction in the encoder), got {self.relative_attention_num_buckets}")
+        for field in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
+            if not 0 <= getattr(self, field) < self.vocab_size:
+                raise UserError(f"model config {self.name or '?'}: {field}={getattr(self, field)} is outside "
+                                f"the vocabulary [0, {self.vocab_size})")
+
+    @property
+    def inner_dim(self) -> int:
+        """Width of all heads together (num_heads * d_kv); need not equal d_model."""
+        return self.num_heads * self.d_kv
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def list_presets() -> list[str]:
+    """Names of the presets in configs/models/ (e.g. 't5-tiny', 'mt5-base')."""
+    return sorted(path.stem for path in MODELS_DIR.glob("*.yaml"))
+
+
+def load_config(preset: str, **overrides) -> T5Config:
+    """Read configs/models/<preset>.yaml (or a path to a YAML file) and apply `overrides`."""
+    path = Path(preset)
+    if path.suffix not in (".yaml", ".yml"):
+        path = MODELS_DIR / f"{preset}.yaml"
+    if not path.is_file():
+        raise UserError(f"model preset {preset!r} not found ({path}); pick one of: {', '.join(list_presets())}")
+    values = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(values, dict):
+        raise UserError(f"{path}: expected a mapping of T5Config fields, got {type(values).__name__}")
+    values.setdefault("name", path.stem)
+    values.update(overrides)
+    known = {f.name for f in dataclasses.fields(T5Config)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise UserError(f"{path}: unknown model field(s) {unknown}; known fields: {sorted(known)}")
+    return T5Config(**values)
+
+
+# ---------------------------------------------------------------------------------------------- layers
+
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """fp16/bf16 -> fp32 (statistics and the loss); fp32/fp64 unchanged."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+class RMSNorm(nn.Module):
+    """T5's layer norm: scale only, no mean subtraction, no bias; statistics in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = at_least_fp32(x)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(self.weight.dtype)
+
+
+def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int,
+                             max_distance: int) -> torch.Tensor:
+    """Map key-minus-query offsets to T5's buckets: exact for small offsets, log-spaced up to max_distance."""
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0).long() * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = (-relative_position).clamp(min=0)   # the decoder only looks back
+    max_exact = num_buckets // 2
+    log_scaled = max_exact + (
+        torch.log(distance.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
+        * (num_buckets - max_exact)
+    ).long()
+    log_scaled = log_scaled.clamp(max=num_buckets - 1)
+    return buckets + torch.where(distance < max_exact, distance, log_scaled)
+
+
+class RelativePositionBias(nn.Module):
+    """One learned scalar per (bucket, head); computed once per stack and added to every layer's scores."""
+
+    def __init__(self, config: T5Config, bidirectional: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.relative_attention_num_buckets, config.num_heads))
+        self.bidirectional = bidirectional
+        self.num_buckets = config.relative_attention_num_buckets
+        self.max_distance = config.relative_attention_max_distance
+
+    def forward(self, query_length: int, key_length: int) -> torch.Tensor:
+        """Bias of shape [1, heads, query_length, key_length] in the weight's dtype, contiguous (the fused
+        attention kernels want a dense last dimension in attn_mask)."""
+        device = self.weight.device
+        offsets = (torch.arange(key_length, device=device)[None, :]
+                   - torch.arange(query_length, device=device)[:, None])
+        buckets = relative_position_bucket(offsets, self.bidirectional, self.num_buckets, self.max_distance)
+        return F.embedding(buckets, self.weight).permute(2, 0, 1).unsqueeze(0).contiguous()
+
+
+class Attention(nn.Module):
+    """Multi-head attention without score scaling; q|k|v fused for self-attention, k|v for cross-attention."""
+
+    def __init__(self, config: T5Config, cross: bool):
+        super().__init__()
+        inner = config.inner_dim
+        self.num_heads, self.d_kv, self.cross = config.num_heads, config.d_kv, cross
+        if cross:
+            self.q = nn.Linear(config.d_model, inner, bias=False)
+            self.kv = nn.Linear(config.d_model, 2 * inner, bias=False)
+        else:
+            self.qkv = nn.Linear(config.d_model, 3 * inner, bias=False)
+        self.o = nn.Linear(inner, config.d_model, bias=False)
+        self.dropout_rate = config.dropout_rate
+
+    def _heads(self, x: torch.Tensor, parts: int) -> torch.Tensor:
+        batch, length, _ = x.shape   # [B, L, parts*H*D] -> [parts, B, H, L, D]
+        return x.view(batch, length, parts, self.num_heads, self.d_kv).permute(2, 0, 3, 1, 4)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None, memory: torch.Tensor | None = None):
+        if self.cross:
+            q = self._heads(self.q(x), 1)[0]
+            k, v = self._heads(self.kv(memory), 2).unbind(0)
+        else:
+            q, k, v = self._heads(self.qkv(x), 3).unbind(0)
+        dropout = self.dropout_rate if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout, scale=1.0)
+        batch, _, length, _ = out.shape
+        return self.o(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.d_kv))
+
+
+class GatedGeluFFN(nn.Module):
+    """wo(gelu_tanh(wi_0 x) * wi_1 x), with wi_0|wi_1 fused into one matmul."""
+
+    def __init__(self, config: T5Config):
+        super().__init__()
+        self.wi = nn.Linear(config.d_model, 2 * config.d_ff, bias=False)
+        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+        self.dropout_rate = config.dropout_rate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, linear = self.wi(x).chunk(2, dim=-1)
+        hidden = F.gelu(gate, approximate="tanh") * linear
+        return self.wo(F.dropout(hidden, self.dropout_rate, self.training))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: self-attention, (decoder only) cross-attention, feed-forward."""
+
+    def __init__(self, config: T5Config, is_decoder: bool):
+        super().__init__()
+        self.self_attn_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+        self.self_attn = Attention(config, cross=False)
+        if is_decoder:
+            self.cross_attn_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+            self.cross_attn = Attention(config, cross=True)
+        self.ffn_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+        self.ffn = GatedGeluFFN(config)
+        self.is_decoder = is_decoder
+        self.dropout_rate = config.dropout_rate
+
+    def forward(self, x, self_bias, memory=None, memory_bias=None):
+        drop = lambda t: F.dropout(t, self.dropout_rate, self.training)  # noqa: E731 (identity at rate 0)
+        x = x + drop(self.self_attn(self.self_attn_norm(x), self_bias))
+        if self.is_decoder:
+            x = x + drop(self.cross_attn(self.cross_attn_norm(x), memory_bias, memory))
+        return x + drop(self.ffn(self.ffn_norm(x)))
+
+
+class Stack(nn.Module):
+    """Encoder (bidirectional buckets) or decoder (causal, with cross-attention): blocks + final norm."""
+
+    def __init__(self, config: T5Config, is_decoder: bool):
+        super().__init__()
+        layers = config.num_decoder_layers if is_decoder else config.num_layers
+        self.relative_attention_bias = RelativePositionBias(config, bidirectional=not is_decoder)
+        self.blocks = nn.ModuleList(Block(config, is_decoder) for _ in range(layers))
+        self.final_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+        self.is_decoder = is_decoder
+        self.config = config
+
+    def forward(self, x, padding_bias=None, memory=None, memory_bias=None):
+        length = x.shape[1]
+        bias = self.relative_attention_bias(length, length).to(x.dtype)
+        if self.is_decoder:
+            causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+            bias = bias.masked_fill(~causal, float("-inf"))
+        if padding_bias is not None:
+            bias = bias + padding_bias
+        x = F.dropout(x, self.config.dropout_rate, self.training)
+        for block in self.blocks:
+            if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, bias, memory, memory_bias, use_reentrant=False)
+            else:
+                x = block(x, bias, memory, memory_bias)
+        return F.dropout(self.final_norm(x), self.config.dropout_rate, self.training)
+
+
+# ------------------------------------------------------------------------------------- memory-lean loss
+
+def cross_entropy_chunk(h, weight, targets, weights, num_valid, with_grads: bool):
+    """Cross-entropy sum of one chunk of rows h [n, d] against weight [V, d]; with_grads: also the gradients
+    of the mean loss (sum / num_valid) w.r.t. h and weight. Logits exist only for this chunk."""
+    logits = at_least_fp32(h @ weight.t())                     # [n, V] fp32: the only big buffer
+    log_normaliser = torch.logsumexp(logits, dim=-1)
+    target_logit = logits.gather(1, targets[:, None]).squeeze(1)
+    loss_sum = ((log_normaliser - target_logit) * weights).sum()
+    if not with_grads:
+        return loss_sum, None, None
+    probs = logits.sub_(log_normaliser[:, None]).exp_()        # d(mean CE)/d logits = (softmax - onehot) * w / n
+    probs.scatter_add_(1, targets[:, None], -torch.ones_like(weights)[:, None])
+    grad_logits = probs.mul_((weights / num_valid)[:, None]).to(h.dtype)
+    return loss_sum, grad_logits @ weight, grad_logits.t() @ h
+
+
+def _chunked_cross_entropy(hidden, weight, targets, valid, chunk_tokens, with_grads, chunk_fn=cross_entropy_chunk):
+    """Mean token cross-entropy over rows of hidden [N, d], walked in chunks of `chunk_tokens` rows; with_grads:
+    also its gradients w.r.t. hidden and weight [V, d], accumulated chunk by chunk (weight's in fp32)."""
+    loss_dtype = at_least_fp32(hidden[:0]).dtype                 # fp32 (fp64 for fp64 models)
+    num_valid = valid.sum().clamp(min=1).to(loss_dtype)         # a tensor: no host sync
+    loss_sum = torch.zeros((), dtype=loss_dtype, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if with_grads else None
+    grad_weight = torch.zeros(weight.shape, dtype=loss_dtype, device=weight.device) if with_grads else None
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        stop = min(start + chunk_tokens, hidden.shape[0])
+        chunk_loss, chunk_grad_hidden, chunk_grad_weight = chunk_fn(
+            hidden[start:stop], weight, targets[start:stop], valid[start:stop].to(loss_dtype), num_valid, with_grads)
+        loss_sum = loss_sum + chunk_loss
+        if with_grads:
+            grad_hidden[start:stop] = chunk_grad_hidden
+            grad_weight += chunk_grad_weight
+    return loss_sum / num_valid, grad_hidden, grad_weight
+
+
+class _LMHeadLoss(torch.autograd.Function):
+    """Mean cross-entropy of hidden @ weight.T; the backward matmuls run chunk-wise inside forward, so only
+    one chunk of logits exists at a time and no logits are kept for backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, valid, chunk_tokens, chunk_fn):
+        loss, grad_hidden, grad_weight = _chunked_cross_entropy(hidden, weight, targets, valid, chunk_tokens, True,
+                                                                chunk_fn)
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype), \
+            None, None, None, None
+
+
+class LMHead(nn.Module):
+    """Untied (by default) vocabulary projection; `loss` is the chunked, memory-lean cross-entropy."""
+
+    def __init__(self, config: T5Config):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.vocab_size, config.d_model))
+        self.chunk_tokens = config.loss_chunk_tokens
+        self.pad_token_id = config.pad_token_id
+        self.chunk_fn = cross_entropy_chunk   # T5Model.compile_regions() swaps in a compiled copy
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return hidden @ self.weight.t()
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        labels = labels.reshape(-1)
+        valid = (labels != self.pad_token_id) & (labels >= 0)  # pad (and HF's -100) positions are ignored
+        targets = labels.masked_fill(~valid, 0)
+        if torch.is_grad_enabled() and (hidden.requires_grad or self.weight.requires_grad):
+            return _LMHeadLoss.apply(hidden, self.weight, targets, valid, self.chunk_tokens, self.chunk_fn)
+        return _chunked_cross_entropy(hidden, self.weight, targets, valid, self.chunk_tokens, False,
+                                      self.chunk_fn)[0]
+
+
+# ----------------------------------------------------------------------------------------------- model
+
+class T5Model(nn.Module):
+    """Encoder-decoder: `model(input_ids, labels=...)` -> fp32 mean loss; `model(input_ids,
+    decoder_input_ids=...)` -> logits [B, T, vocab]."""
+
+    def __init__(self, config: T5Config):
+        super().__init__()
+        self.config = config
+        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.encoder = Stack(config, is_decoder=False)
+        self.decoder = Stack(config, is_decoder=True)
+        self.lm_head = LMHead(config)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.shared.weight
+
+    def shift_right(self, labels: torch.Tensor) -> torch.Tensor:
+        """Decoder inputs: labels shifted right, starting with decoder_start_token_id (HF's -100 -> pad)."""
+        shifted = labels.new_full(labels.shape, self.config.decoder_start_token_id)
+        shifted[:, 1:] = labels[:, :-1]
+        return shifted.masked_fill(shifted < 0, self.config.pad_token_id)
+
+    def forward(self, input_ids, labels=None, decoder_input_ids=None, attention_mask=None):
+        """`attention_mask` [B, L_in] (1 = real token) is optional: span-corruption inputs have no padding."""
+        if labels is None and decoder_input_ids is None:
+            raise ValueError("T5Model.forward needs labels (-> loss) or decoder_input_ids (-> logits)")
+        if decoder_input_ids is None:
+            decoder_input_ids = self.shift_right(labels)
+        padding_bias = None
+        if attention_mask is not None:  # large negative (not -inf) so that an all-pad row stays finite
+            dtype = self.shared.weight.dtype
+            padding_bias = (1.0 - attention_mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
+        memory = self.encoder(self.shared(input_ids), padding_bias)
+        hidden = self.decoder(self.shared(decoder_input_ids), None, memory, padding_bias)
+        if self.config.tie_word_embeddings:
+            hidden = hidden * self.config.d_model ** -0.5
+        return self.lm_head(hidden, labels)
+
+    def compile_regions(self) -> "T5Model":
+        """torch.compile each block (one static graph per stack kind, shared by its blocks) and the loss chunk;
+        compiles in seconds where compiling the whole model takes minutes. Returns self."""
+        for stack in (self.encoder, self.decoder):
+            for block in stack.blocks:
+                block.compile(dynamic=False)
+        self.lm_head.chunk_fn = torch.compile(cross_entropy_chunk, dynamic=False)
+        return self
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """T5 / Mesh-TF initialisation, every draw from `generator` in a fixed module order.
+
+        Embeddings N(0, 1); q N(0, (d_model*d_kv)^-1/2); k, v N(0, d_model^-1/2); o N(0, (heads*d_kv)^-1/2);
+        wi N(0, d_model^-1/2); wo N(0, d_ff^-1/2); position bias N(0, d_model^-1/2); norms 1. The untied LM
+        head is N(0, d_model^-1/2) (Mesh-TF's fan-in init of the logits layer; HF uses N(0, 1), which makes
+        the initial loss far above ln(vocab)), so a fresh model's loss starts near ln(vocab_size).
+        """
+        c = self.config
+        normal = lambda t, std: t.normal_(0.0, std, generator=generator)  # noqa: E731
+        normal(self.shared.weight, 1.0)
+        if not c.tie_word_embeddings:
+            normal(self.lm_head.weight, c.d_model ** -0.5)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+            elif isinstance(module, RelativePositionBias):
+                normal(module.weight, c.d_model ** -0.5)
+            elif isinstance(module, Attention):
+                q = module.q.weight if module.cross else module.qkv.weight[: c.inner_dim]
+                kv = module.kv.weight if module.cross else module.qkv.weight[c.inner_dim:]
+                normal(q, (c.d_model * c.d_kv) ** -0.5)
+                normal(kv, c.d_model ** -0.5)
+                normal(module.o.weight, c.inner_dim ** -0.5)
+            elif isinstance(module, GatedGeluFFN):
+                normal(module.wi.weight, c.d_model ** -0.5)
+                normal(module.wo.weight, c.d_ff ** -0.5)
+
+
+def build(preset_or_config: str | T5Config, seed: int = 0, **overrides) -> T5Model:
+    """A freshly initialised model from a preset name (or YAML path) or a T5Config; init seeded by `seed`."""
+    if isinstance(preset_or_config, T5Config):
+        config = dataclasses.replace(preset_or_config, **overrides) if overrides else preset_or_config
+    else:
+        config = load_config(preset_or_config, **overrides)
+    model = T5Model(config)
+    model.init_weights(torch.Generator().manual_seed(seed))
+    return model

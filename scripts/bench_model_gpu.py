@@ -1,0 +1,220 @@
+"""Training-step throughput of our T5 (pretrain/model.py) against transformers' T5ForConditionalGeneration.
+
+    python scripts/bench_model_gpu.py --models mt5-base mt5-large --batch 64 --out /tmp/bench
+
+Pure torch + transformers (no DeepSpeed). Both models hold the same weights (ours built with a seed, HF's
+made from it by pretrain.hf.to_hf), run bf16 parameters with fused AdamW on the same random batch
+(inputs 512, targets 114 by default). One step = zero_grad + forward (loss) + backward + optimizer step.
+Reported per variant: ms/step, tokens/s (input + target tokens), TFLOP/s from the exact count
+(pretrain.flops.train_step_flops), MFU against a bf16 matmul ceiling (8192^3) measured in the same run,
+peak memory, and speed-up against HF in the same run. The table is printed last; results.json and
+results.md go to --out. `--device cpu --models t5-tiny` is a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pretrain.flops import count_parameters, train_step_flops  # noqa: E402
+from pretrain.hf import to_hf  # noqa: E402
+from pretrain.model import build  # noqa: E402
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_ceiling_tflops(device: str, size: int, repeats: int = 10) -> float:
+    """bf16 size^3 matmul rate on random data (mean of `repeats` after 3 warm-ups)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=generator)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=generator)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    sync(device)
+    return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e12
+
+
+def profile(step, args, name: str) -> None:
+    """Top GPU kernels of 3 steps (torch.profiler) -> OUT/profile-NAME.txt, the top 15 printed."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    sort_by = "self_cpu_time_total"
+    if args.device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        sort_by = "self_cuda_time_total"
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(3):
+            step()
+        sync(args.device)
+    table = prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=90)
+    (Path(args.out) / f"profile-{name}.txt").write_text(table)
+    print("\n".join(table.splitlines()[:18]), flush=True)
+
+
+def make_step(variant: str, model, batch):
+    """A closure running one training step of `variant` on `batch`; returns the loss tensor."""
+    input_ids, labels = batch
+    if variant.startswith("hf"):
+        def forward():
+            return model(input_ids=input_ids, labels=labels).loss
+    else:
+        def forward():
+            return model(input_ids, labels=labels)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0,
+                                  fused=input_ids.device.type == "cuda")
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = forward()
+        loss.backward()
+        optimizer.step()
+        return loss
+    return step
+
+
+def prepare(variant: str, ours_cpu, device: str):
+    """A bf16 copy of the model for `variant` on `device` (HF variants via to_hf: same weights)."""
+    if variant.startswith("hf"):
+        model = to_hf(ours_cpu)
+    else:
+        model = copy.deepcopy(ours_cpu)
+    model = model.to(device=device, dtype=torch.bfloat16).train()
+    if variant.endswith("compile"):
+        if variant.startswith("hf"):
+            model = torch.compile(model, dynamic=False)
+        else:  # regional compilation: every block shares one compiled graph per stack type, + the loss chunk
+            model.compile_regions()
+    return model
+
+
+def bench_variant(variant, ours_cpu, batch, args, flops_per_step, ceiling):
+    device = args.device
+    model = prepare(variant, ours_cpu, device)
+    step = make_step(variant, model, batch)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    compile_start = time.perf_counter()
+    first_loss = float(step().detach())          # first step (includes compilation for *-compile variants)
+    sync(device)
+    first_step_s = time.perf_counter() - compile_start
+    for _ in range(args.warmup - 1):
+        step()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step()
+    sync(device)
+    step_s = (time.perf_counter() - start) / args.steps
+    if variant == args.profile:
+        profile(step, args, f"{ours_cpu.config.name}-{variant}")
+    tokens = args.batch * (args.input_length + args.target_length)
+    tflops = flops_per_step / step_s / 1e12
+    row = {"variant": variant, "first_loss": first_loss, "last_loss": float(loss.detach()), "ms_per_step": 1e3 * step_s,
+           "tokens_per_s": tokens / step_s, "tflops": tflops, "mfu": tflops / ceiling,
+           "first_step_s": first_step_s,
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")}
+    del model, step
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["mt5-base", "mt5-large"])
+    parser.add_argument("--variants", nargs="+", default=["hf", "ours", "ours-compile"],
+                        help="hf, hf-compile, ours, ours-compile")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--input-length", type=int, default=512)
+    parser.add_argument("--target-length", type=int, default=114)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (the first compiles)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--matmul-size", type=int, default=8192)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", default="", help="variant to profile (3 steps, every model) after timing")
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch._dynamo.config.cache_size_limit = 64
+
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+    try:
+        import transformers
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    ceiling = matmul_ceiling_tflops(args.device, args.matmul_size)
+    print(f"{env} bf16 {args.matmul_size}^3 matmul ceiling: {ceiling:.1f} TFLOP/s", flush=True)
+
+    rows = []
+    for preset in args.models:
+        ours_cpu = build(preset, seed=args.seed)
+        config = ours_cpu.config
+        generator = torch.Generator().manual_seed(args.seed)
+        low, high = 3, config.vocab_size - 100                    # no pad/eos/unk, no sentinels
+        batch = (torch.randint(low, high, (args.batch, args.input_length), generator=generator).to(args.device),
+                 torch.randint(low, high, (args.batch, args.target_length), generator=generator).to(args.device))
+        flops = train_step_flops(config, args.batch, args.input_length, args.target_length)
+        print(f"{preset}: {count_parameters(config) / 1e6:.0f}M parameters, {flops / 1e12:.1f} TFLOP per step "
+              f"(batch {args.batch}, lengths {args.input_length}/{args.target_length})", flush=True)
+        for variant in args.variants:
+            try:
+                row = bench_variant(variant, ours_cpu, batch, args, flops, ceiling)
+            except torch.OutOfMemoryError as err:
+                row = {"variant": variant, "error": f"out of memory: {str(err).splitlines()[0]}"}
+            except Exception as err:  # keep the other variants' numbers; report this one's failure
+                row = {"variant": variant, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+            row["model"] = preset
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+        del ours_cpu
+
+    for row in rows:
+        base = next((r for r in rows if r["model"] == row["model"] and r["variant"] == "hf" and "error" not in r),
+                    None)
+        if base and "error" not in row:
+            row["speedup_vs_hf"] = row["tokens_per_s"] / base["tokens_per_s"]
+    header = ("| model | variant | ms/step | tokens/s | TFLOP/s | MFU | x HF | peak GiB | first step s | loss |\n"
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines = [header]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['variant']} | {r['error']} |||||||")
+            continue
+        lines.append(f"| {r['model']} | {r['variant']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['tflops']:.1f} | {100 * r['mfu']:.1f}% | {r.get('speedup_vs_hf', float('nan')):.2f} | "
+                     f"{r['peak_mem_gib']:.1f} | {r['first_step_s']:.1f} | {r['first_loss']:.4f} |")
+    table = "\n".join(lines)
+    summary = (f"{env['device']}, torch {env['torch']}, transformers {env.get('transformers', '-')}; bf16 params + "
+               f"fused AdamW; batch {args.batch}, inputs {args.input_length}, targets {args.target_length}; "
+               f"{args.steps} timed steps after {args.warmup} warm-up; MFU vs measured bf16 "
+               f"{args.matmul_size}^3 matmul ceiling {ceiling:.1f} TFLOP/s")
+    (out / "results.json").write_text(json.dumps({"env": env, "ceiling_tflops": ceiling, "args": vars(args),
+                                                  "rows": rows}, indent=2))
+    (out / "results.md").write_text(summary + "\n\n" + table + "\n")
+    print("\n" + summary + "\n\n" + table, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
