@@ -156,13 +156,12 @@ class RelativePositionBias(nn.Module):
         self.max_distance = config.relative_attention_max_distance
 
     def forward(self, query_length: int, key_length: int) -> torch.Tensor:
-        """Bias of shape [1, heads, query_length, key_length] in the weight's dtype, contiguous (the fused
-        attention kernels want a dense last dimension in attn_mask)."""
+        """Bias of shape [1, heads, query_length, key_length] in the weight's dtype."""
         device = self.weight.device
         offsets = (torch.arange(key_length, device=device)[None, :]
                    - torch.arange(query_length, device=device)[:, None])
         buckets = relative_position_bucket(offsets, self.bidirectional, self.num_buckets, self.max_distance)
-        return F.embedding(buckets, self.weight).permute(2, 0, 1).unsqueeze(0).contiguous()
+        return F.embedding(buckets, self.weight).permute(2, 0, 1).unsqueeze(0)
 
 
 class Attention(nn.Module):
