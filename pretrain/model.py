@@ -264,25 +264,25 @@ class Stack(nn.Module):
 
 # ------------------------------------------------------------------------------------- memory-lean loss
 
-def cross_entropy_chunk(h, weight, targets, weights, num_valid, with_grads: bool):
+def cross_entropy_chunk(h, weight, targets, token_weights, num_valid, with_grads: bool):
     """Cross-entropy sum of one chunk of rows h [n, d] against weight [V, d]; with_grads: also the gradients
     of the mean loss (sum / num_valid) w.r.t. h and weight. Logits exist only for this chunk."""
     logits = at_least_fp32(h @ weight.t())                     # [n, V] fp32: the only big buffer
     log_normaliser = torch.logsumexp(logits, dim=-1)
     target_logit = logits.gather(1, targets[:, None]).squeeze(1)
-    loss_sum = ((log_normaliser - target_logit) * weights).sum()
+    loss_sum = ((log_normaliser - target_logit) * token_weights).sum()
     if not with_grads:
         return loss_sum, None, None
     probs = logits.sub_(log_normaliser[:, None]).exp_()        # d(mean CE)/d logits = (softmax - onehot) * w / n
-    probs.scatter_add_(1, targets[:, None], -torch.ones_like(weights)[:, None])
-    grad_logits = probs.mul_((weights / num_valid)[:, None]).to(h.dtype)
+    probs.scatter_add_(1, targets[:, None], -torch.ones_like(token_weights)[:, None])
+    grad_logits = probs.mul_((token_weights / num_valid)[:, None]).to(h.dtype)
     return loss_sum, grad_logits @ weight, grad_logits.t() @ h
 
 
 def _chunked_cross_entropy(hidden, weight, targets, valid, chunk_tokens, with_grads, chunk_fn=cross_entropy_chunk):
     """Mean token cross-entropy over rows of hidden [N, d], walked in chunks of `chunk_tokens` rows; with_grads:
     also its gradients w.r.t. hidden and weight [V, d], accumulated chunk by chunk (weight's in fp32)."""
-    loss_dtype = at_least_fp32(hidden[:0]).dtype                 # fp32 (fp64 for fp64 models)
+    loss_dtype = torch.promote_types(hidden.dtype, torch.float32)  # fp32 (fp64 for fp64 models)
     num_valid = valid.sum().clamp(min=1).to(loss_dtype)         # a tensor: no host sync
     loss_sum = torch.zeros((), dtype=loss_dtype, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if with_grads else None
