@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS_DIR = REPO_ROOT / "configs"
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 
 class UserError(Exception):
@@ -40,6 +42,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; a shard set is meant to be shared
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
