@@ -17,6 +17,9 @@ import pytest
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray maps a loopback --address (127.0.0.1:port) to this host's outward IP unless told that the "cluster" is
+# loopback-only (the same switch Ray uses on laptops); our multi-node test clusters live on 127.0.0.1 only.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 SAMPLE_CORPUS_BYTES = 400_000
 TINY_VOCAB_SIZE = 1024
@@ -65,4 +68,5 @@ def tiny_shards(sample_corpus, tiny_tokenizer, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_prep(sample_corpus, tiny_tokenizer):
     """A factory: tiny_prep(out, **overrides) -> the PrepConfig of `tiny_shards` aimed at `out`."""
-    return lambda out, **overrides: tiny_prep_config([sample_corpus], tiny_tokenizer, out, **overrides)
+    return lambda out, **overrides: tiny_prep_config(**{"inputs": [sample_corpus], "tokenizer": tiny_tokenizer,
+                                                        "out": out, **overrides})

@@ -1,0 +1,86 @@
+"""The `prep` command line: inspect, verify (corruption named), sample-corpus, tokenizer --from, one-line errors."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.cli import main
+from pipeline.shard_format import read_manifest
+
+
+def test_inspect_prints_summary_and_decoded_examples(tiny_shards, capsys):
+    assert main(["inspect", str(tiny_shards), "--examples", "2"]) == 0
+    out = capsys.readouterr().out
+    manifest = read_manifest(tiny_shards)
+    assert manifest["fingerprint"] in out and f"examples      {manifest['totals']['examples']:,}" in out
+    assert out.count("--- example") == 2 and "<extra_id_0>" in out and "targets: <extra_id_0>" in out
+
+
+def test_verify_passes_then_names_the_corrupted_shard(tiny_shards, tmp_path, capsys):
+    copy = tmp_path / "set"
+    shutil.copytree(tiny_shards, copy)
+    assert main(["verify", str(copy), "--quiet"]) == 0
+    assert "ok" in capsys.readouterr().out
+    victim = read_manifest(copy)["shards"][2]["path"]
+    data = bytearray((copy / victim).read_bytes())
+    data[-20] ^= 0xFF  # flip bits inside the last record batch, size unchanged
+    (copy / victim).write_bytes(bytes(data))
+    assert main(["verify", str(copy), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert victim in err and "sha256" in err and len(err.strip().splitlines()) == 1
+    (copy / victim).unlink()
+    assert main(["verify", str(copy), "--quiet"]) == 1
+    assert "missing" in capsys.readouterr().err
+
+
+def test_shard_loads_with_datasets_from_file(tiny_shards):
+    import datasets
+
+    manifest = read_manifest(tiny_shards)
+    first = manifest["shards"][0]
+    ds = datasets.Dataset.from_file(str(tiny_shards / first["path"]))
+    assert len(ds) == first["rows"]
+    row = ds[0]
+    assert len(row["input_ids"]) == 128 and len(row["labels"]) == 29
+
+
+def test_sample_corpus_is_deterministic_and_valid(tmp_path, capsys):
+    assert main(["sample-corpus", "--out", str(tmp_path / "a"), "--max-bytes", "100000"]) == 0
+    assert main(["sample-corpus", "--out", str(tmp_path / "b"), "--max-bytes", "100000"]) == 0
+    a = (tmp_path / "a" / "sample.jsonl").read_bytes()
+    assert a == (tmp_path / "b" / "sample.jsonl").read_bytes() and 50_000 < len(a) <= 100_000
+    docs = [json.loads(line)["text"] for line in a.decode().splitlines()]
+    assert all(d.strip() for d in docs) and len(docs) >= 5
+
+
+def test_tokenizer_from_file_adds_sentinels(tmp_path, capsys):
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"<pad>": 0, "</s>": 1, "<unk>": 2, "a": 3}, unk_token="<unk>")).save(
+        str(tmp_path / "plain.json"))
+    assert main(["tokenizer", "--from", str(tmp_path / "plain.json"), "--out", str(tmp_path / "tok")]) == 0
+    assert "<extra_id_0>=103" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["corpus", "--input", "/nonexistent/x.jsonl", "--tokenizer", "t.json", "--out", "o"], "t.json: tokenizer file not found"),
+    (["inspect", "/nonexistent/set"], "no manifest"),
+    (["tokenizer", "--out", "o"], "nothing to train on"),
+])
+def test_user_errors_are_one_line_exit_2(argv, needle, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_console_script_help_and_error_exit_code(tmp_path):
+    prep = shutil.which("prep", path=str(__import__("pathlib").Path(sys.executable).parent))
+    assert prep, "the `prep` console script is not installed in the venv"
+    out = subprocess.run([prep, "corpus", "--help"], capture_output=True, text=True, check=True).stdout
+    assert "--noise-density" in out and "span-corruption" in out
+    done = subprocess.run([prep, "verify", str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
