@@ -4,7 +4,7 @@
 
 Launches (each a real `python -m pretrain.cli` run, 6 steps of 16 examples, grad accumulation 2):
   ref    ZeRO 2, 2 ranks, uninterrupted, checkpoints at 3 and 6
-  stop2  ZeRO 2, 2 ranks, --stop-after 3  ->  resume2: --resume to step 6 (a half-written step-5 checkpoint and a
+  stop2  ZeRO 2, 2 ranks, 1 loader worker each, --stop-after 3  ->  resume2: --resume to step 6 (a half-written step-5 checkpoint and a
          stale metrics line are planted in between: neither may be used)
   stop0 / stop1 / stop3  ZeRO 0 / 1 / 3, --stop-after 3 (the stage comparison); 0 and 3 also --export-hf
   one    --nproc 1 --resume from stop0's checkpoint (ZeRO 0: 2 ranks -> 1, grad accumulation 2 -> 4)
@@ -67,7 +67,8 @@ class Runs:
 
     def stopped(self, stage: int):
         export = ["--export-hf", str(self.dir(f"stop{stage}") / "hf")] if stage in (0, 3) else []
-        self.run(f"stop{stage}", "--zero", str(stage), "--nproc", "2", "--stop-after", str(HALF), *export)
+        workers = ["--loader-workers", "1"] if stage == 2 else []     # the resumed pair reads through a worker
+        self.run(f"stop{stage}", "--zero", str(stage), "--nproc", "2", "--stop-after", str(HALF), *export, *workers)
         return self.metrics(f"stop{stage}")
 
 
@@ -137,7 +138,8 @@ def test_stop_and_resume_gives_identical_losses_and_ignores_half_written_checkpo
     assert latest_complete(run_dir / "checkpoints") == tag_for(HALF)
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps(dict(stopped[-1], step=HALF + 1, loss=123.0)) + "\n")
-    resumed = runs.run("resume2", "--zero", "2", "--nproc", "2", "--resume", "--save-every", "3", out="stop2")
+    resumed = runs.run("resume2", "--zero", "2", "--nproc", "2", "--resume", "--save-every", "3", "--loader-workers",
+                       "1", out="stop2")
     assert f"[resume] {tag_for(HALF)}" in resumed.stdout
     after = runs.metrics("stop2")
     assert [r["step"] for r in after] == list(range(1, STEPS + 1))
