@@ -6,8 +6,8 @@ Local spawning (also for N = 1, which keeps the console to rank 0's stdout and t
 `python -m pretrain.cli ARGV` N times with RANK / LOCAL_RANK / WORLD_SIZE /
 MASTER_ADDR=127.0.0.1 / MASTER_PORT=<free port>, the same variables torchrun and the deepspeed launcher set,
 so every rank runs one code path (`pretrain.trainer.run_rank`). Rank 0's stdout is the console; every
-rank's stderr goes to RUN_DIR/logs/rank-R.log. When a rank fails, the others are stopped and the failure's
-last line becomes the one-line reason on stderr.
+rank's stderr goes to RUN_DIR/logs/rank-R.log. When a rank fails, the others are stopped, the failure's
+last line becomes the one-line reason on stderr, and RUN_DIR/summary.json says {"status": "failed", "reason"}.
 """
 
 from __future__ import annotations
@@ -97,6 +97,10 @@ def spawn_local(argv: list[str], nproc: int, run_dir: Path) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return _wait_all(ranks)
+    except UserError as failure:       # a rank failed: leave the reason where a study looks for results
+        from pretrain.metrics import write_summary
+        write_summary(run_dir, {"status": "failed", "reason": str(failure)})
+        raise
     finally:             # normal exit: all done; failure, Ctrl-C or SIGTERM: stop the ranks still running
         _stop_all(ranks)
         signal.signal(signal.SIGTERM, previous)

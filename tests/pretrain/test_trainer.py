@@ -172,6 +172,8 @@ def test_resuming_zero2_partitions_at_another_rank_count_fails_with_one_line(run
     assert result.returncode == 2, result.stderr[-2000:]
     assert "saved by 2 ranks at ZeRO 2" in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    summary = json.loads((wrong / "summary.json").read_text())
+    assert summary["status"] == "failed" and "saved by 2 ranks" in summary["reason"]
 
 
 def test_export_hf_gathers_zero3_partitions(runs):
