@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from pipeline.common import UserError, run_cli
+from pipeline.corpus import DEFAULT_UNIT_BYTES
 
 SAMPLE_WORD = "sample"
 
@@ -167,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mean-span-length", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard-rows", type=int, default=None, help="rows per shard (default: about 64 MiB)")
-    p.add_argument("--unit-bytes", type=int, default=32 << 20, help="input bytes per work unit")
+    p.add_argument("--unit-bytes", type=int, default=DEFAULT_UNIT_BYTES,
+                   help="input bytes per work unit (part of the fingerprint; independent of --workers)")
     p.add_argument("--max-doc-chars", type=int, default=1_000_000, help="longer documents are skipped (too_long)")
     p.add_argument("--overwrite", action="store_true", help="replace a different shard set in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

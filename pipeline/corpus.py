@@ -28,7 +28,7 @@ from pipeline.shard_format import (DATA_DIR, FORMAT_VERSION, MANIFEST_NAME, UNIT
 from pipeline.span_corruption import SpanSpec, span_corrupt
 
 SHARD_TARGET_BYTES = 64 << 20
-DEFAULT_UNIT_BYTES = 32 << 20
+DEFAULT_UNIT_BYTES = 4 << 20
 WINDOWS_PER_CORRUPTION = 4096
 
 

@@ -15,6 +15,14 @@ from typing import Iterator
 from pipeline.common import UserError
 
 
+def _unit_task(job: dict, unit: dict) -> dict:
+    """One Ray task = one unit on one CPU: tokenizers' own thread pool stays off (parallelism comes from tasks)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from pipeline.corpus import process_unit
+
+    return process_unit(job, unit)
+
+
 def _progress(total_bytes: int, initial: int, enabled: bool):
     from tqdm import tqdm
 
@@ -26,8 +34,6 @@ def run_units_on_ray(job: dict, units: list[dict], *, workers: int = 2, address:
                      progress: bool = True, skipped_bytes: int = 0) -> Iterator[dict]:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
-
-    from pipeline.corpus import process_unit
 
     started_here = False
     if not ray.is_initialized():
@@ -41,7 +47,7 @@ def run_units_on_ray(job: dict, units: list[dict], *, workers: int = 2, address:
             raise UserError(f"cannot reach the Ray cluster at {address or 'local'} ({err}); check --ray-address "
                             f"or leave it out to start a local cluster") from None
         started_here = True
-    remote_unit = ray.remote(num_cpus=1, max_retries=2)(process_unit)
+    remote_unit = ray.remote(num_cpus=1, max_retries=2)(_unit_task)
     job_ref = ray.put(job)
     pending_units = list(reversed(units))  # pop() takes them in unit order
     in_flight: dict = {}

@@ -128,7 +128,7 @@ class WorkUnit:
 def plan_units(inputs: list[InputFile], unit_bytes: int) -> list[WorkUnit]:
     """Split sorted inputs into numbered work units of about `unit_bytes` (independent of worker count)."""
     if unit_bytes < 1024:
-        raise UserError(f"--unit-bytes {unit_bytes} is too small; use at least 1024 (default 32 MiB)")
+        raise UserError(f"--unit-bytes {unit_bytes} is too small; use at least 1024 (default 4 MiB)")
     units: list[WorkUnit] = []
 
     def add(path: str, kind: str, start: int, end: int, size: int) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
 import pyarrow as pa
 
 from pipeline.common import UserError, sha256_file
@@ -97,10 +96,3 @@ def decoded_examples(shard_dir: str | Path, count: int, tokenizer_path: str | No
                           tokenizer.decode(lab[lab != pad_id].tolist(), skip_special_tokens=False)))
     return pairs
 
-
-def first_rows(shard_dir: str | Path, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """The first `count` rows of the set (ids), for tests and inspection."""
-    shard_dir = Path(shard_dir)
-    manifest = read_manifest(shard_dir)
-    inputs, labels = zip(*(read_shard_arrays(shard_dir / s["path"]) for s in manifest["shards"]))
-    return np.concatenate(inputs)[:count], np.concatenate(labels)[:count]
