@@ -7,7 +7,7 @@ Launches (each a real `python -m pretrain.cli` run, 6 steps of 16 examples, grad
   stop2  ZeRO 2, 2 ranks, 1 loader worker each, --stop-after 3  ->  resume2: --resume to step 6 (a half-written step-5 checkpoint and a
          stale metrics line are planted in between: neither may be used)
   stop0 / stop1 / stop3  ZeRO 0 / 1 / 3, --stop-after 3 (the stage comparison); 0 and 3 also --export-hf,
-         1 with --activation-checkpointing
+         1 with --activation-checkpointing --offload cpu
   one    --nproc 1 --resume from stop0's checkpoint (ZeRO 0: 2 ranks -> 1, grad accumulation 2 -> 4)
   wrong  --nproc 1 --resume from stop2's ZeRO 2 checkpoint: must fail with one line
 """
@@ -69,7 +69,8 @@ class Runs:
     def stopped(self, stage: int):
         export = ["--export-hf", str(self.dir(f"stop{stage}") / "hf")] if stage in (0, 3) else []
         workers = ["--loader-workers", "1"] if stage == 2 else []     # the resumed pair reads through a worker
-        recompute = ["--activation-checkpointing"] if stage == 1 else []  # recomputation must not change the math
+        # recomputation and optimizer offload must not change the math
+        recompute = ["--activation-checkpointing", "--offload", "cpu"] if stage == 1 else []
         self.run(f"stop{stage}", "--zero", str(stage), "--nproc", "2", "--stop-after", str(HALF), *export, *workers,
                  *recompute)
         return self.metrics(f"stop{stage}")
@@ -94,8 +95,9 @@ def test_every_zero_stage_gives_the_same_losses_and_the_loss_falls(runs):
         assert [r["zero_stage"] for r in stopped] == [stage] * HALF
         assert losses(stopped) == pytest.approx(losses(ref[:HALF]), rel=2e-5, abs=2e-5), f"ZeRO {stage}"
         assert [r["batch_checksum"] for r in stopped] == [r["batch_checksum"] for r in ref[:HALF]]
-    model = json.loads((runs.dir("stop1") / "config.json").read_text())["model"]
-    assert model["activation_checkpointing"] is True
+    stop1 = json.loads((runs.dir("stop1") / "config.json").read_text())
+    assert stop1["model"]["activation_checkpointing"] is True
+    assert stop1["deepspeed"]["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
 
 
 def test_metrics_config_summary_and_checkpoints(runs):
