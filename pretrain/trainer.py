@@ -120,6 +120,10 @@ class Trainer:
         self.peak_tflops = peak_tflops_for(device_name, self.precision, config.peak_tflops)
 
         model = build(plan.model_config, seed=config.seed)
+        if config.compile and config.zero < 3:
+            model.compile_regions()
+        elif config.compile:
+            self._say("[compile] skipped at ZeRO 3: its per-module parameter gathering hooks break the graphs")
         schedule = LRSchedule(config.schedule, config.warmup_steps, config.steps, config.min_lr_ratio)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
