@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Run a study grid on a GPU machine that has torch but no registry access (the lent H200 machines).
+# Here first: ./scripts/gpu_wheels.sh (DeepSpeed + its requirements into .whl/) and a shard set prepared with
+# `prep corpus` (the GPU machine has no Ray). Carry both; then on the GPU machine:
+#   ./scripts/gpu_study.sh GRID.yaml SHARDS [SECONDS]
+# runs `study run` for at most SECONDS (default 330; unfinished points are left for a rerun), rebuilds the
+# report, and copies results.csv, report.md, the plots, the log and the runs' metrics into $OUT (or ./gpu-out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+GRID=${1:?grid file}; DATA=${2:?shard set}; SECONDS_FOR_STUDY=${3:-330}
+DEST=${OUT:-gpu-out}; mkdir -p "$DEST"
+# NVLink multicast stays off on shared hosts. The image sets TORCH_CUDA_ARCH_LIST=9.0a, which DeepSpeed 0.19's op
+# builder cannot parse (int("0a")): force 9.0, which also keeps the JIT builds (FusedAdam, CPU Adam) short.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "gpu_study: could not install .whl/ (run scripts/gpu_wheels.sh here and carry .whl)" >&2; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__, "gpus", torch.cuda.device_count())' 2>&1 | grep -v WARNING
+STUDY=/tmp/study-$(basename "$GRID" .yaml)
+timeout -s INT -k 30 "$SECONDS_FOR_STUDY" python3 -m pretrain.study_cli run "$GRID" --data "$DATA" --out "$STUDY" 2>&1 \
+  | grep -v 'real_accelerator.py' | tee "$DEST/study.log"
+python3 -m pretrain.study_cli report "$STUDY" 2>&1 | tee -a "$DEST/study.log"
+cp "$STUDY"/results.csv "$STUDY"/report.md "$STUDY"/*.png "$DEST"/ 2>/dev/null
+tar -czf "$DEST/runs.tar.gz" -C "$STUDY" --exclude='checkpoints' --exclude='tb' runs 2>/dev/null
+ls -la "$DEST"
