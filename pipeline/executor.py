@@ -41,7 +41,8 @@ def run_units_on_ray(job: dict, units: list[dict], *, workers: int = 2, address:
             if address:
                 ray.init(address=address, log_to_driver=False, configure_logging=False)
             else:
-                ray.init(num_cpus=workers, include_dashboard=False, _node_ip_address="127.0.0.1",
+                # address="local": always a fresh cluster of our own, never one that happens to run on this host
+                ray.init(address="local", num_cpus=workers, include_dashboard=False, _node_ip_address="127.0.0.1",
                          log_to_driver=False, configure_logging=False)
         except (ConnectionError, ValueError) as err:
             raise UserError(f"cannot reach the Ray cluster at {address or 'local'} ({err}); check --ray-address "
