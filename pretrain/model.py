@@ -161,7 +161,9 @@ class RelativePositionBias(nn.Module):
         offsets = (torch.arange(key_length, device=device)[None, :]
                    - torch.arange(query_length, device=device)[:, None])
         buckets = relative_position_bucket(offsets, self.bidirectional, self.num_buckets, self.max_distance)
-        return F.embedding(buckets, self.weight).permute(2, 0, 1).unsqueeze(0)
+        # contiguous: the permuted view has a last-dim stride of `heads`, which CUDA's fused SDPA kernels refuse,
+        # so the encoder (whose bias gets no masked_fill copy, unlike the decoder's) fell back to math attention
+        return F.embedding(buckets, self.weight).permute(2, 0, 1).unsqueeze(0).contiguous()
 
 
 class Attention(nn.Module):
