@@ -388,9 +388,10 @@ class T5Model(nn.Module):
         self.lm_head.chunk_fn = torch.compile(cross_entropy_chunk, dynamic=False)
         return self
 
-    @torch.no_grad()
-    def init_weights(self, generator: torch.Generator) -> None:
-        """T5 / Mesh-TF initialisation, every draw from `generator` in a fixed module order.
+    def init_plan(self):
+        """(module, fill) pairs in the fixed order of the initialisation draws; `fill(module, normal)` writes the
+        module's own parameters, drawing through `normal(tensor, std)`. The one definition of the init, used by
+        the plain build (`init_weights`) and the ZeRO-3 partitioned build (`build_partitioned`).
 
         Embeddings N(0, 1); q N(0, (d_model*d_kv)^-1/2); k, v N(0, d_model^-1/2); o N(0, (heads*d_kv)^-1/2);
         wi N(0, d_model^-1/2); wo N(0, d_ff^-1/2); position bias N(0, d_model^-1/2); norms 1. The untied LM
@@ -398,32 +399,80 @@ class T5Model(nn.Module):
         the initial loss far above ln(vocab)), so a fresh model's loss starts near ln(vocab_size).
         """
         c = self.config
-        normal = lambda t, std: t.normal_(0.0, std, generator=generator)  # noqa: E731
-        normal(self.shared.weight, 1.0)
+
+        def attention(module, normal):
+            q = module.q.weight if module.cross else module.qkv.weight[: c.inner_dim]
+            kv = module.kv.weight if module.cross else module.qkv.weight[c.inner_dim:]
+            normal(q, (c.d_model * c.d_kv) ** -0.5)
+            normal(kv, c.d_model ** -0.5)
+            normal(module.o.weight, c.inner_dim ** -0.5)
+
+        def feed_forward(module, normal):
+            normal(module.wi.weight, c.d_model ** -0.5)
+            normal(module.wo.weight, c.d_ff ** -0.5)
+
+        yield self.shared, lambda module, normal: normal(module.weight, 1.0)
         if not c.tie_word_embeddings:
-            normal(self.lm_head.weight, c.d_model ** -0.5)
+            yield self.lm_head, lambda module, normal: normal(module.weight, c.d_model ** -0.5)
         for module in self.modules():
             if isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+                yield module, lambda module, normal: module.weight.fill_(1.0)
             elif isinstance(module, RelativePositionBias):
-                normal(module.weight, c.d_model ** -0.5)
+                yield module, lambda module, normal: normal(module.weight, c.d_model ** -0.5)
             elif isinstance(module, Attention):
-                q = module.q.weight if module.cross else module.qkv.weight[: c.inner_dim]
-                kv = module.kv.weight if module.cross else module.qkv.weight[c.inner_dim:]
-                normal(q, (c.d_model * c.d_kv) ** -0.5)
-                normal(kv, c.d_model ** -0.5)
-                normal(module.o.weight, c.inner_dim ** -0.5)
+                yield module, attention
             elif isinstance(module, GatedGeluFFN):
-                normal(module.wi.weight, c.d_model ** -0.5)
-                normal(module.wo.weight, c.d_ff ** -0.5)
+                yield module, feed_forward
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """T5 / Mesh-TF initialisation (see `init_plan`), every draw from `generator` in a fixed module order."""
+        normal = seeded_normal(generator)
+        for module, fill in self.init_plan():
+            fill(module, normal)
+
+
+def seeded_normal(generator: torch.Generator):
+    """`normal(tensor, std)`: fill `tensor` with N(0, std) drawn in fp32 on the host from `generator`, then
+    copied (cast, moved) into it; the same numbers whatever the tensor's dtype or device."""
+    def normal(tensor: torch.Tensor, std: float) -> None:
+        draws = torch.empty(tensor.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+        tensor.copy_(draws)
+    return normal
+
+
+def resolve_config(preset_or_config: str | T5Config, **overrides) -> T5Config:
+    if isinstance(preset_or_config, T5Config):
+        return dataclasses.replace(preset_or_config, **overrides) if overrides else preset_or_config
+    return load_config(preset_or_config, **overrides)
 
 
 def build(preset_or_config: str | T5Config, seed: int = 0, **overrides) -> T5Model:
     """A freshly initialised model from a preset name (or YAML path) or a T5Config; init seeded by `seed`."""
-    if isinstance(preset_or_config, T5Config):
-        config = dataclasses.replace(preset_or_config, **overrides) if overrides else preset_or_config
-    else:
-        config = load_config(preset_or_config, **overrides)
-    model = T5Model(config)
+    model = T5Model(resolve_config(preset_or_config, **overrides))
     model.init_weights(torch.Generator().manual_seed(seed))
+    return model
+
+
+def build_partitioned(preset_or_config: str | T5Config, ds_config: dict, seed: int = 0, **overrides) -> T5Model:
+    """`build` for ZeRO 3 without a full copy per rank: the model is constructed under
+    `deepspeed.zero.Init(config_dict_or_path=ds_config)`, so every parameter is partitioned over the ranks (or
+    offloaded, as ds_config says) as soon as its module exists. The weights are then the ones `build` gives
+    for the same seed, bit for bit: module by module in `init_plan` order, rank 0 gathers the module's
+    parameters, draws them from the seeded generator exactly as `build` does, and DeepSpeed broadcasts and
+    re-partitions them (GatheredParameters with modifier_rank=0). At most one module is whole at a time (the
+    largest: the embedding or the LM head). Needs torch.distributed initialised (every rank calls this)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    config = resolve_config(preset_or_config, **overrides)
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = T5Model(config)
+    writer = dist.get_rank() == 0
+    normal = seeded_normal(torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        for module, fill in model.init_plan():
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+                if writer:
+                    fill(module, normal)
     return model

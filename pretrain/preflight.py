@@ -124,8 +124,8 @@ def estimate_memory(model_config, *, zero: int, offload: str, precision: str, wo
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
         cpu_bytes, gpu_bytes, _ = estimate_zero3_model_states_mem_needs(
             params, largest_layer, num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=cpu_offload,
-            cpu_offload_params=cpu_offload, zero_init=False)
-        method = "deepspeed estimate_zero3_model_states_mem_needs(zero_init=False)"
+            cpu_offload_params=cpu_offload, zero_init=True)
+        method = "deepspeed estimate_zero3_model_states_mem_needs(zero_init=True)"
         method += " (assumes 16-bit weights)" if precision == "fp32" else ""
     elif zero == 2:
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs

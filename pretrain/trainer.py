@@ -101,8 +101,6 @@ class Trainer:
 
         from pretrain.data import ShardDataset, make_loader
         from pretrain.ds_config import build_ds_config, resolve_precision
-        from pretrain.model import build
-
         self.config, self.plan, self.env = config, plan, env
         self.accelerator = get_accelerator()
         self.on_cpu = self.accelerator.device_name() == "cpu"
@@ -119,7 +117,8 @@ class Trainer:
         device_name = "cpu" if self.on_cpu else torch.cuda.get_device_name(self.device)
         self.peak_tflops = peak_tflops_for(device_name, self.precision, config.peak_tflops)
 
-        model = build(plan.model_config, seed=config.seed)
+        self.model_init = self._build_model(plan.model_config, config.seed)
+        model = self.model_init.pop("model")
         if config.compile and config.zero < 3:
             model.compile_regions()
         elif config.compile:
@@ -158,6 +157,23 @@ class Trainer:
 
     # -- helpers -----------------------------------------------------------------------------------------------
 
+    def _build_model(self, model_config, seed: int) -> dict[str, Any]:
+        """The seeded model; at ZeRO 3 built partitioned (`pretrain.model.build_partitioned`: no rank ever holds
+        the whole model, the weights are `build`'s bit for bit). Returns {model, method, parameters,
+        local_parameters}: local_parameters are the elements this rank holds (its partitions at ZeRO 3)."""
+        from pretrain.model import build, build_partitioned
+
+        if self.config.zero == 3:
+            model = build_partitioned(model_config, self.ds_config, seed=seed)
+            parameters = sum(p.ds_numel for p in model.parameters())
+            local = sum(p.ds_tensor.numel() for p in model.parameters())
+            method = "deepspeed.zero.Init + GatheredParameters(modifier_rank=0) per module"
+        else:
+            model = build(model_config, seed=seed)
+            parameters = local = sum(p.numel() for p in model.parameters())
+            method = "pretrain.model.build (whole model on every rank)"
+        return {"model": model, "method": method, "parameters": parameters, "local_parameters": local}
+
     def _say(self, message: str) -> None:
         if self.env.is_main:
             print(message, flush=True)
@@ -176,6 +192,7 @@ class Trainer:
             "vocab": self.plan.vocab_note,
             "deepspeed": self.ds_config,
             "memory_estimate": self.plan.memory_estimate,
+            "model_init": self.model_init,
             "git_revision": git_revision(),
             "shard_fingerprint": self.plan.shard_fingerprint,
             "tokenizer_sha256": self.plan.tokenizer_sha256,

@@ -7,9 +7,10 @@ Launches (each a real `python -m pretrain.cli` run, 6 steps of 16 examples, grad
   stop2  ZeRO 2, 2 ranks, 1 loader worker each, --stop-after 3  ->  resume2: --resume to step 6 (a half-written step-5 checkpoint and a
          stale metrics line are planted in between: neither may be used)
   stop0 / stop1 / stop3  ZeRO 0 / 1 / 3, --stop-after 3 (the stage comparison); 0 and 3 also --export-hf,
-         1 with --activation-checkpointing --offload cpu
+         1 with --activation-checkpointing --offload cpu; 3 builds the model partitioned (deepspeed.zero.Init)
   one    --nproc 1 --resume from stop0's checkpoint (ZeRO 0: 2 ranks -> 1, grad accumulation 2 -> 4)
   wrong  --nproc 1 --resume from stop2's ZeRO 2 checkpoint: must fail with one line
+plus one 2-rank gloo script (no training) that compares the partitioned build with `build` bit for bit.
 """
 
 from __future__ import annotations
@@ -98,6 +99,62 @@ def test_every_zero_stage_gives_the_same_losses_and_the_loss_falls(runs):
     stop1 = json.loads((runs.dir("stop1") / "config.json").read_text())
     assert stop1["model"]["activation_checkpointing"] is True
     assert stop1["deepspeed"]["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    # ZeRO 3 built the model partitioned (zero.Init): each of the 2 ranks held about half of the weights from the
+    # start (each parameter's partition is padded to a multiple of the world size); stages 0-2 hold all of them
+    stop3 = json.loads((runs.dir("stop3") / "config.json").read_text())["model_init"]
+    assert "zero.Init" in stop3["method"]
+    assert stop3["parameters"] / 2 <= stop3["local_parameters"] < stop3["parameters"] / 2 + 100, stop3
+    ref_init = json.loads((runs.dir("ref") / "config.json").read_text())["model_init"]
+    assert ref_init["local_parameters"] == ref_init["parameters"] == stop3["parameters"]
+    estimate = json.loads((runs.dir("stop3") / "config.json").read_text())["memory_estimate"]
+    assert "zero_init=True" in estimate["method"]
+
+
+PARTITIONED_BUILD_CHECK = """
+import logging, sys, torch, deepspeed
+deepspeed.utils.logger.setLevel(logging.WARNING)
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False    # as pretrain.trainer does on CPU
+deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+from pretrain.model import build, build_partitioned
+for bf16 in (False, True):
+    ds_config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": bf16},
+                 "zero_optimization": {"stage": 3}}
+    model = build_partitioned("t5-tiny", ds_config, seed=5)
+    reference = build("t5-tiny", seed=5).to(torch.bfloat16 if bf16 else torch.float32)
+    local = sum(p.ds_tensor.numel() for p in model.parameters())
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        same = [name for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values())
+                if torch.equal(a, b)]
+        print("CHECK", bf16, len(same), len(reference.state_dict()), local, flush=True)
+del model, reference    # ZeRO-3 parameters still referenced after the group is gone abort the process at exit
+import gc; gc.collect()
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_partitioned_zero3_build_equals_the_plain_build_bit_for_bit(tmp_path):
+    """Two gloo ranks build t5-tiny under zero.Init (fp32 and bf16 params); gathered, every tensor equals
+    `build`'s for the same seed exactly, while each rank held only its half."""
+    from pretrain.launch import free_port
+    from pretrain.model import build
+
+    script = tmp_path / "check.py"
+    script.write_text(PARTITIONED_BUILD_CHECK)
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    ranks = [subprocess.Popen([sys.executable, str(script)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outputs = [rank.communicate(timeout=180)[0] for rank in ranks]
+    total = sum(p.numel() for p in build("t5-tiny").parameters())
+    tensors = len(build("t5-tiny").state_dict())
+    for output, rank in zip(outputs, ranks):
+        assert rank.returncode == 0, output[-3000:]
+        checks = [line.split()[1:] for line in output.splitlines() if line.startswith("CHECK")]
+        assert [c[0] for c in checks] == ["False", "True"], output[-3000:]
+        for _, same, count, local in checks:
+            assert int(same) == int(count) == tensors                   # every tensor identical
+            assert total / 2 <= int(local) < total / 2 + 100            # this rank held half of them
 
 
 def test_metrics_config_summary_and_checkpoints(runs):
