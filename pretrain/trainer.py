@@ -117,6 +117,7 @@ class Trainer:
         device_name = "cpu" if self.on_cpu else torch.cuda.get_device_name(self.device)
         self.peak_tflops = peak_tflops_for(device_name, self.precision, config.peak_tflops)
 
+        self.resume_tag = self._prepare_resume() if config.resume else None
         self.model_init = self._build_model(plan.model_config, config.seed)
         model = self.model_init.pop("model")
         if config.compile and config.zero < 3:
@@ -137,7 +138,7 @@ class Trainer:
         self.start_step = 0
         self.resumed_from = None
         if config.resume:
-            tag = ckpt.latest_complete(self.checkpoint_dir)
+            tag = self.resume_tag
             if tag is None:
                 self._say(f"[resume] no complete checkpoint in {self.checkpoint_dir}: starting at step 0")
             else:
@@ -156,6 +157,33 @@ class Trainer:
         self.position_weights = torch.arange(1, plan.input_length + 1, dtype=torch.int64)
 
     # -- helpers -----------------------------------------------------------------------------------------------
+
+    def _prepare_resume(self) -> str | None:
+        """The tag to resume from (None: none complete). A ZeRO 1-3 tag saved at another world size is converted
+        to a universal checkpoint by rank 0 (once) and the DeepSpeed config asks for a universal load."""
+        import torch.distributed as dist
+
+        tag = ckpt.latest_complete(self.checkpoint_dir)
+        if tag is None or not ckpt.needs_universal(self.checkpoint_dir, tag, world_size=self.world_size,
+                                                   zero_stage=self.config.zero):
+            return tag
+        if self.config.offload == "nvme":
+            saved = ckpt.saved_world_size(self.checkpoint_dir / tag)
+            raise UserError(f"{self.checkpoint_dir / tag}: saved by {saved} ranks, resumed with {self.world_size}; "
+                            f"with --offload nvme DeepSpeed copies each rank's swapped optimizer state back as it "
+                            f"is and cannot load a universal checkpoint: resume with --nproc {saved}")
+        failure = [None]
+        if self.env.rank == 0:
+            try:
+                ckpt.convert_to_universal(self.checkpoint_dir, tag, say=self._say)
+            except Exception as err:      # every rank must hear of it, not wait at a barrier
+                failure = [f"{self.checkpoint_dir / tag}: conversion to a universal checkpoint failed "
+                           f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})"]
+        dist.broadcast_object_list(failure, src=0)
+        if failure[0] is not None:
+            raise UserError(failure[0])
+        self.ds_config["checkpoint"] = {**self.ds_config.get("checkpoint", {}), "load_universal": True}
+        return tag
 
     def _build_model(self, model_config, seed: int) -> dict[str, Any]:
         """The seeded model; at ZeRO 3 built partitioned (`pretrain.model.build_partitioned`: no rank ever holds

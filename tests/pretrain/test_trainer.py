@@ -8,8 +8,9 @@ Launches (each a real `python -m pretrain.cli` run, 6 steps of 16 examples, grad
          stale metrics line are planted in between: neither may be used)
   stop0 / stop1 / stop3  ZeRO 0 / 1 / 3, --stop-after 3 (the stage comparison); 0 and 3 also --export-hf,
          1 with --activation-checkpointing --offload cpu; 3 builds the model partitioned (deepspeed.zero.Init)
-  one    --nproc 1 --resume from stop0's checkpoint (ZeRO 0: 2 ranks -> 1, grad accumulation 2 -> 4)
-  wrong  --nproc 1 --resume from stop2's ZeRO 2 checkpoint: must fail with one line
+  one0 / one1 / one2 / one3  --nproc 1 --resume from the step-3 checkpoint of stop0 / stop1 / ref / stop3 (2 ranks
+         -> 1, grad accumulation 2 -> 4; ZeRO 1-3 through a universal checkpoint)
+  broken --nproc 1 --resume from a ZeRO 2 checkpoint with a corrupt partition file: must fail with one line
 plus one 2-rank gloo script (no training) that compares the partitioned build with `build` bit for bit.
 """
 
@@ -26,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.common import REPO_ROOT
-from pretrain.checkpoint import MARKER, latest_complete, tag_for
+from pretrain.checkpoint import MARKER, UNIVERSAL, latest_complete, tag_for
 from pretrain.metrics import STEP_KEYS, read_metrics
 
 STEPS, HALF = 6, 3
@@ -212,32 +213,60 @@ def test_stop_and_resume_gives_identical_losses_and_ignores_half_written_checkpo
     assert [r["lr"] for r in after] == [r["lr"] for r in ref]
 
 
+def resume_at_one_rank(runs, stage: int, source: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """--nproc 1 --resume from `source`'s step-HALF checkpoint (saved by 2 ranks); the resumed records."""
+    run_dir = runs.dir(f"one{stage}")
+    if f"one{stage}" not in runs.done:
+        shutil.copytree(source / "checkpoints" / tag_for(HALF), run_dir / "checkpoints" / tag_for(HALF))
+    result = runs.run(f"one{stage}", "--zero", str(stage), "--nproc", "1", "--resume", *args)
+    return result, runs.metrics(f"one{stage}")
+
+
 def test_resume_at_another_rank_count_continues_the_data_order(runs):
+    """2 ranks -> 1 at ZeRO 0 (direct), 1 (with optimizer offload), 2 and 3 (through a universal checkpoint). The data order is exact
+    (identical batch checksums and sample counts). Losses: the checkpoint's fp32 weights and Adam moments
+    reach the new partitioning unchanged, so the first resumed step's loss differs from the uninterrupted
+    run's only by the order in which the mean over micro-batches and ranks is summed (4 x 1 instead of 2 x 2:
+    a few fp32 ulps, rel 1e-6); the later steps also sum gradients in another order (rel 2e-5, as for the
+    same-world stage comparison)."""
     ref = runs.ref()
-    runs.stopped(0)
-    one = runs.dir("one")
-    shutil.copytree(runs.dir("stop0"), one)
-    result = runs.run("one", "--zero", "0", "--nproc", "1", "--resume")
-    assert f"[resume] {tag_for(HALF)}" in result.stdout
-    after = runs.metrics("one")[HALF:]
-    assert [r["world_size"] for r in after] == [1] * (STEPS - HALF)
-    assert [r["grad_accum"] for r in after] == [4] * (STEPS - HALF)
-    assert [r["batch_checksum"] for r in after] == [r["batch_checksum"] for r in ref[HALF:]]
-    assert [r["consumed_samples"] for r in after] == [r["consumed_samples"] for r in ref[HALF:]]
-    assert losses(after) == pytest.approx(losses(ref[HALF:]), rel=2e-5, abs=2e-5)
+    for stage in (0, 1, 3):
+        runs.stopped(stage)
+    sources = {0: runs.dir("stop0"), 1: runs.dir("stop1"), 2: runs.dir("ref"), 3: runs.dir("stop3")}
+    for stage, source in sources.items():
+        extra = ("--activation-checkpointing", "--offload", "cpu") if stage == 1 else ()   # as stop1 ran
+        result, records = resume_at_one_rank(runs, stage, source, *extra)
+        assert f"[resume] {tag_for(HALF)}" in result.stdout
+        after = [r for r in records if r["step"] > HALF]
+        assert [r["step"] for r in after] == list(range(HALF + 1, STEPS + 1)), stage
+        assert [r["world_size"] for r in after] == [1] * (STEPS - HALF)
+        assert [r["grad_accum"] for r in after] == [4] * (STEPS - HALF)
+        assert [r["zero_stage"] for r in after] == [stage] * (STEPS - HALF)
+        assert [r["batch_checksum"] for r in after] == [r["batch_checksum"] for r in ref[HALF:]], stage
+        assert [r["consumed_samples"] for r in after] == [r["consumed_samples"] for r in ref[HALF:]], stage
+        assert [r["lr"] for r in after] == pytest.approx([r["lr"] for r in ref[HALF:]], rel=1e-12), stage
+        assert after[0]["loss"] == pytest.approx(ref[HALF]["loss"], rel=1e-6), stage
+        assert losses(after) == pytest.approx(losses(ref[HALF:]), rel=2e-5, abs=2e-5), stage
+        universal = runs.dir(f"one{stage}") / "checkpoints" / UNIVERSAL / tag_for(HALF)
+        assert (universal / MARKER).is_file() == (stage > 0), stage
+        assert ("universal checkpoint" in result.stdout) == (stage > 0), stage
+        config = json.loads((runs.dir(f"one{stage}") / "config.json").read_text())
+        assert config["deepspeed"].get("checkpoint", {}).get("load_universal", False) == (stage > 0)
 
 
-def test_resuming_zero2_partitions_at_another_rank_count_fails_with_one_line(runs):
-    runs.stopped(2)
-    wrong = runs.dir("wrong")
-    shutil.copytree(runs.dir("stop2") / "checkpoints", wrong / "checkpoints")
-    result = pretrain(*COMMON, "--data", str(runs.shards), "--out", str(wrong), "--zero", "2", "--nproc", "1",
+def test_a_corrupt_partition_fails_the_conversion_with_one_line(runs):
+    runs.ref()
+    broken = runs.dir("broken")
+    shutil.copytree(runs.dir("ref") / "checkpoints" / tag_for(HALF), broken / "checkpoints" / tag_for(HALF))
+    (broken / "checkpoints" / tag_for(HALF) / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"torn")
+    result = pretrain(*COMMON, "--data", str(runs.shards), "--out", str(broken), "--zero", "2", "--nproc", "1",
                       "--resume")
     assert result.returncode == 2, result.stderr[-2000:]
-    assert "saved by 2 ranks at ZeRO 2" in result.stderr and "Traceback" not in result.stderr
+    assert "conversion to a universal checkpoint failed" in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    summary = json.loads((wrong / "summary.json").read_text())
-    assert summary["status"] == "failed" and "saved by 2 ranks" in summary["reason"]
+    assert not (broken / "checkpoints" / UNIVERSAL / tag_for(HALF) / MARKER).exists()
+    summary = json.loads((broken / "summary.json").read_text())
+    assert summary["status"] == "failed" and "universal" in summary["reason"]
 
 
 def test_export_hf_gathers_zero3_partitions(runs):
