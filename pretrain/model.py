@@ -433,11 +433,14 @@ class T5Model(nn.Module):
 
 
 def seeded_normal(generator: torch.Generator):
-    """`normal(tensor, std)`: fill `tensor` with N(0, std) drawn in fp32 on the host from `generator`, then
-    copied (cast, moved) into it; the same numbers whatever the tensor's dtype or device."""
+    """`normal(tensor, std)`: fill `tensor` with N(0, std) drawn in fp32 on the host from `generator` (in place
+    for a contiguous fp32 host tensor, else into a temporary that is cast and copied in): the same numbers
+    whatever the tensor's dtype or device."""
     def normal(tensor: torch.Tensor, std: float) -> None:
-        draws = torch.empty(tensor.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
-        tensor.copy_(draws)
+        if tensor.dtype == torch.float32 and tensor.device.type == "cpu" and tensor.is_contiguous():
+            tensor.normal_(0.0, std, generator=generator)      # the same draws, without a temporary
+        else:
+            tensor.copy_(torch.empty(tensor.shape, dtype=torch.float32).normal_(0.0, std, generator=generator))
     return normal
 
 

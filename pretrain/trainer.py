@@ -188,7 +188,8 @@ class Trainer:
     def _build_model(self, model_config, seed: int) -> dict[str, Any]:
         """The seeded model; at ZeRO 3 built partitioned (`pretrain.model.build_partitioned`: no rank ever holds
         the whole model, the weights are `build`'s bit for bit). Returns {model, method, parameters,
-        local_parameters}: local_parameters are the elements this rank holds (its partitions at ZeRO 3)."""
+        local_parameters, host_peak_rss_gib}: local_parameters are the elements this rank holds (its partitions
+        at ZeRO 3); host_peak_rss_gib is this rank's peak host memory up to the end of the build."""
         from pretrain.model import build, build_partitioned
 
         if self.config.zero == 3:
@@ -200,7 +201,8 @@ class Trainer:
             model = build(model_config, seed=seed)
             parameters = local = sum(p.numel() for p in model.parameters())
             method = "pretrain.model.build (whole model on every rank)"
-        return {"model": model, "method": method, "parameters": parameters, "local_parameters": local}
+        return {"model": model, "method": method, "parameters": parameters, "local_parameters": local,
+                "host_peak_rss_gib": round(host_peak_rss_gib(), 3)}   # this rank's host peak so far
 
     def _say(self, message: str) -> None:
         if self.env.is_main:
