@@ -224,15 +224,20 @@ def load_grid(path: str | os.PathLike) -> StudyGrid:
     return grid
 
 
+CONSOLE_SCRIPT_MODULES = {"pretrain": "pretrain.cli", "prep": "pipeline.cli"}
+
+
 def console_script(name: str) -> list[str]:
-    """The command that runs one of this toolkit's console scripts (the one beside this Python first)."""
+    """The command that runs one of this toolkit's console scripts: the one beside this Python first, then
+    the one on PATH, else this Python running its module (a checkout on PYTHONPATH, as on GPU machines
+    where the project is not pip-installed)."""
     beside = Path(sys.executable).with_name(name)
     if beside.is_file():
         return [str(beside)]
     found = shutil.which(name)
     if found:
         return [found]
-    raise UserError(f"`{name}` is not installed; run `pip install -e .` in the repository")
+    return [sys.executable, "-m", CONSOLE_SCRIPT_MODULES[name]]
 
 
 def pretrain_command(grid: StudyGrid, point: Point, shards: str | Path, run_dir: Path) -> list[str]:
