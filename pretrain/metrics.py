@@ -113,26 +113,44 @@ def read_metrics(path: str | os.PathLike, up_to_step: int | None = None) -> list
     return records
 
 
+STEP_FIGURES = ("step_time_s", "data_wait_s", "compute_s", "tokens_per_s", "samples_per_s", "tflops_per_gpu", "mfu")
+
+
+def steady_state_figures(steady: list[dict[str, Any]]) -> dict[str, Any]:
+    """The per-step figures of `steady` (steady-state metrics records) reduced to one value each: the median of
+    every STEP_FIGURES key; data_wait_share = total data wait / total step time (a median would hide the
+    occasional stall that a share of time shows); tokens_per_s_spread = interquartile range of tokens/s over its
+    median (how far apart two runs must be to call one faster; None under two steps). Used by summary.json
+    and by the study's results, so both report the same numbers."""
+    def median(key: str) -> float | None:
+        values = [float(r[key]) for r in steady if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    figures: dict[str, Any] = {key: median(key) for key in STEP_FIGURES}
+    total_step = sum(float(r.get("step_time_s") or 0.0) for r in steady)
+    total_wait = sum(float(r.get("data_wait_s") or 0.0) for r in steady)
+    figures["data_wait_share"] = total_wait / total_step if total_step > 0 else None
+    rates = [float(r["tokens_per_s"]) for r in steady if r.get("tokens_per_s") is not None]
+    figures["tokens_per_s_spread"] = None
+    if len(rates) >= 2 and figures["tokens_per_s"]:
+        q1, _, q3 = statistics.quantiles(rates, n=4, method="inclusive")
+        figures["tokens_per_s_spread"] = (q3 - q1) / figures["tokens_per_s"]
+    return figures
+
+
 def summarize(records: list[dict[str, Any]], *, steady_skip: int, status: str, **extra: Any) -> dict[str, Any]:
     """summary.json: status, steps, and medians over the steady-state steps (the first `steady_skip`
     steps of this launch left out, at least one step kept)."""
     steady = records[min(steady_skip, max(0, len(records) - 1)):]
-
-    def median(key: str):
-        values = [r[key] for r in steady if r.get(key) is not None]
-        return statistics.median(values) if values else None
-
-    step_time = median("step_time_s")
-    data_wait = median("data_wait_s")
+    figures = steady_state_figures(steady)
+    step_time, data_wait = figures["step_time_s"], figures["data_wait_s"]
     summary = {
         "status": status,
         "steps": records[-1]["step"] if records else int(extra.get("start_step", 0)),
         "steady_steps": len(steady),
         "final_loss": records[-1]["loss"] if records else None,
-        "median": {key: median(key) for key in ("step_time_s", "data_wait_s", "compute_s", "tokens_per_s",
-                                                "samples_per_s", "tflops_per_gpu", "mfu")},
-        "data_wait_share": (sum(r["data_wait_s"] for r in steady) / sum(r["step_time_s"] for r in steady)
-                            if steady and sum(r["step_time_s"] for r in steady) > 0 else None),
+        "median": {key: figures[key] for key in STEP_FIGURES},
+        "data_wait_share": figures["data_wait_share"],
         "peak_mem_gib": max((r["peak_mem_gib"] for r in records), default=None),
     }
     if step_time and data_wait is not None:

@@ -18,7 +18,6 @@ import re
 import shlex
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ import yaml
 from pipeline.common import UserError, atomic_write_json
 from pipeline.shard_format import read_manifest
 from pretrain import launch, report, storage
+from pretrain.metrics import steady_state_figures
 
 AXES = ("model", "zero", "offload", "micro_batch", "loader_workers", "nproc", "activation_checkpointing")
 AXIS_DEFAULTS: dict[str, list[Any]] = {"offload": ["none"], "loader_workers": [0], "nproc": [1],
@@ -482,31 +482,13 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def summarize_metrics(metrics: list[dict[str, Any]], skip_steps: int) -> dict[str, Any]:
-    """Steady-state medians of one run's metrics (steps after `skip_steps`); peak memory is the max of all.
-
-    data_wait_share = total data wait / total step time over the steady-state steps (a median would hide
-    the occasional stall that a share of time shows). tokens_per_s_spread = interquartile range of the
-    steady-state tokens/s over their median: how far apart two points must be to call one faster.
-    """
+    """Steady-state figures of one run's metrics (steps after `skip_steps`; pretrain.metrics.steady_state_figures);
+    peak memory is the max of all steps."""
     steady = [m for m in metrics if int(m.get("step", 0)) > skip_steps]
     out: dict[str, Any] = {"steps_done": len(metrics), "steps_measured": len(steady)}
     if not steady:
         return out
-
-    def median(key: str) -> float | None:
-        values = [float(m[key]) for m in steady if m.get(key) is not None]
-        return statistics.median(values) if values else None
-
-    for key in ("tokens_per_s", "samples_per_s", "tflops_per_gpu", "mfu", "step_time_s", "data_wait_s",
-                "compute_s"):
-        out[key] = median(key)
-    total_step = sum(float(m.get("step_time_s") or 0.0) for m in steady)
-    total_wait = sum(float(m.get("data_wait_s") or 0.0) for m in steady)
-    out["data_wait_share"] = total_wait / total_step if total_step > 0 else None
-    rates = [float(m["tokens_per_s"]) for m in steady if m.get("tokens_per_s") is not None]
-    if len(rates) >= 2 and out["tokens_per_s"]:
-        q1, _, q3 = statistics.quantiles(rates, n=4, method="inclusive")
-        out["tokens_per_s_spread"] = (q3 - q1) / out["tokens_per_s"]
+    out.update(steady_state_figures(steady))
     peaks = [float(m["peak_mem_gib"]) for m in metrics if m.get("peak_mem_gib") is not None]
     out["peak_mem_gib"] = max(peaks) if peaks else None
     out["grad_accum"] = steady[-1].get("grad_accum")
