@@ -31,7 +31,7 @@ import yaml
 from pipeline.common import UserError, atomic_write_json
 from pipeline.shard_format import read_manifest
 from pretrain import launch, report, storage
-from pretrain.metrics import steady_state_figures
+from pretrain.metrics import read_metrics, steady_state_figures
 
 AXES = ("model", "zero", "offload", "micro_batch", "loader_workers", "nproc", "activation_checkpointing")
 AXIS_DEFAULTS: dict[str, list[Any]] = {"offload": ["none"], "loader_workers": [0], "nproc": [1],
@@ -468,18 +468,6 @@ def read_point_record(run_dir: Path) -> dict[str, Any] | None:
 
 
 # ------------------------------------------------------------------------------------------------- results
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl -> list of step records (a torn last line from a killed run is skipped)."""
-    records = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return records
-
 
 def summarize_metrics(metrics: list[dict[str, Any]], skip_steps: int) -> dict[str, Any]:
     """Steady-state figures of one run's metrics (steps after `skip_steps`; pretrain.metrics.steady_state_figures);
