@@ -24,7 +24,7 @@ from pipeline import __version__
 from pipeline.common import UserError, atomic_write_json, sha256_file, sha256_json
 from pipeline.readers import RejectCounter, WorkUnit, batched_texts, discover_inputs, plan_units, unit_texts
 from pipeline.shard_format import (DATA_DIR, FORMAT_VERSION, MANIFEST_NAME, UNITS_DIR, read_manifest, shard_name,
-                                   write_manifest, write_shard)
+                                   shard_file_problem, write_manifest, write_shard)
 from pipeline.span_corruption import SpanSpec, span_corrupt
 
 SHARD_TARGET_BYTES = 64 << 20
@@ -210,10 +210,7 @@ def unit_record_path(out_dir: Path, unit_id: int) -> Path:
 # ------------------------------------------------------------------------------------------ the job
 
 def _shard_ok(out_dir: Path, shard: dict, check_sha: bool) -> bool:
-    path = out_dir / shard["path"]
-    if not path.is_file() or path.stat().st_size != shard["bytes"]:
-        return False
-    return not check_sha or sha256_file(path) == shard["sha256"]
+    return shard_file_problem(out_dir, shard, check_sha=check_sha) is None
 
 
 def completed_record(out_dir: Path, unit: WorkUnit, fp: str) -> dict | None:

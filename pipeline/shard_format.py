@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipeline.common import UserError, atomic_write_json
+from pipeline.common import UserError, atomic_write_json, sha256_file
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -78,6 +78,21 @@ def read_shard_arrays(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
         values.setflags(write=False)  # the pages are a read-only map of the shard file
         arrays.append(values.reshape(-1, width))
     return arrays[0], arrays[1]
+
+
+def shard_file_problem(shard_dir: str | Path, shard: dict[str, Any], *, check_sha: bool = True) -> str | None:
+    """Why a shard's file does not match its manifest entry ("missing", a size mismatch, a sha256 mismatch), or
+    None when it matches; the sha256 is recomputed only with `check_sha`."""
+    path = Path(shard_dir) / shard["path"]
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return "missing"
+    if size != shard["bytes"]:
+        return f"size {size} bytes, manifest says {shard['bytes']}"
+    if check_sha and sha256_file(path) != shard["sha256"]:
+        return "sha256 differs from the manifest (corrupted or modified)"
+    return None
 
 
 def write_manifest(shard_dir: str | Path, manifest: dict[str, Any]) -> None:

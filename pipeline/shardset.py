@@ -11,7 +11,7 @@ from typing import Iterator
 import pyarrow as pa
 
 from pipeline.common import UserError, sha256_file
-from pipeline.shard_format import INPUT_COLUMN, LABEL_COLUMN, read_manifest, read_shard_arrays
+from pipeline.shard_format import INPUT_COLUMN, LABEL_COLUMN, read_manifest, read_shard_arrays, shard_file_problem
 
 
 def verify_shard_set(shard_dir: str | Path, progress: bool = False) -> Iterator[tuple[str, str | None]]:
@@ -30,13 +30,9 @@ def verify_shard_set(shard_dir: str | Path, progress: bool = False) -> Iterator[
 
 def _shard_problem(shard_dir: Path, shard: dict, config: dict) -> str | None:
     path = shard_dir / shard["path"]
-    if not path.is_file():
-        return "missing"
-    size = path.stat().st_size
-    if size != shard["bytes"]:
-        return f"size {size} bytes, manifest says {shard['bytes']}"
-    if sha256_file(path) != shard["sha256"]:
-        return "sha256 differs from the manifest (corrupted or modified)"
+    problem = shard_file_problem(shard_dir, shard)
+    if problem:
+        return problem
     try:
         with pa.memory_map(str(path), "r") as source:
             reader = pa.ipc.open_stream(source)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.common import UserError, atomic_write_bytes, sha256_file
-from pipeline.shard_format import FORMAT_VERSION, MANIFEST_NAME
+from pipeline.shard_format import FORMAT_VERSION, MANIFEST_NAME, shard_file_problem
 
 DEFAULT_CACHE_DIR = "~/.cache/t5zero"
 DOWNLOAD_THREADS = 4
@@ -118,16 +118,7 @@ def _cache_complete(local_dir: Path, *, verify: bool) -> bool:
         shards = manifest["shards"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return all(_cached_shard_ok(local_dir / s["path"], s, verify=verify) for s in shards)
-
-
-def _cached_shard_ok(path: Path, shard: dict[str, Any], *, verify: bool) -> bool:
-    try:
-        if path.stat().st_size != shard["bytes"]:
-            return False
-    except OSError:
-        return False
-    return not verify or sha256_file(path) == shard["sha256"]
+    return all(shard_file_problem(local_dir, s, check_sha=verify) is None for s in shards)
 
 
 def _download_shard_set(url: str, local_dir: Path, storage_options: dict[str, Any] | None) -> None:
@@ -159,7 +150,7 @@ def _download_shard_set(url: str, local_dir: Path, storage_options: dict[str, An
 
     local_dir.mkdir(parents=True, exist_ok=True)
     (local_dir / MANIFEST_NAME).unlink(missing_ok=True)  # the cache is incomplete until the manifest is back
-    todo = [s for s in shards if not _cached_shard_ok(local_dir / s["path"], s, verify=True)]
+    todo = [s for s in shards if shard_file_problem(local_dir, s) is not None]
     total_bytes = sum(int(s["bytes"]) for s in todo)
 
     from tqdm import tqdm
