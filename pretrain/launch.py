@@ -25,6 +25,8 @@ from pathlib import Path
 from pipeline.common import REPO_ROOT, UserError
 
 SPAWNED_ENV = "T5ZERO_SPAWNED"   # set in ranks started by `--nproc`: the parent already ran the preflight
+LAUNCH_T0_ENV = "T5ZERO_LAUNCH_T0"  # time.time() when the spawning `pretrain` started: the start-up timeline's zero
+START_GATE_ENV = "T5ZERO_START_GATE"  # a file path: ranks do their host-side start-up, then wait for the file
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,32 @@ def rank_env(environ: dict[str, str] | None = None) -> RankEnv:
     world_size = int(env["WORLD_SIZE"])
     return RankEnv(rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", 0)), world_size=world_size,
                    local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)), launched=True)
+
+
+def launch_t0() -> float:
+    """When this launch began: the spawning parent's start (passed down), else this process's own start."""
+    if LAUNCH_T0_ENV in os.environ:
+        return float(os.environ[LAUNCH_T0_ENV])
+    try:
+        import psutil
+        return psutil.Process().create_time()
+    except Exception:                                  # psutil missing or /proc unreadable: close enough
+        return time.time()
+
+
+def wait_for_start_gate(poll_s: float = 0.05) -> float | None:
+    """Block until the file named by T5ZERO_START_GATE exists (no variable: return at once, None).
+
+    `study run` with overlap_startup launches the next point while the current one trains: its ranks import,
+    run the preflight and build the model on the host, then wait here, before their first use of the devices,
+    until the study opens the gate (creates the file) when the devices are free. Returns the seconds waited."""
+    gate = os.environ.get(START_GATE_ENV)
+    if not gate:
+        return None
+    start = time.monotonic()
+    while not os.path.exists(gate):
+        time.sleep(poll_s)
+    return time.monotonic() - start
 
 
 def free_port() -> int:
@@ -86,6 +114,7 @@ def spawn_local(argv: list[str], nproc: int, run_dir: Path) -> int:
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    **{SPAWNED_ENV: "1"})
+        env.setdefault(LAUNCH_T0_ENV, str(launch_t0()))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         log_path = log_dir / f"rank-{rank}.log"
         log = open(log_path, "w")

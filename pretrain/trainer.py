@@ -67,6 +67,9 @@ def run_rank(config, plan, env) -> int:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    from pretrain.launch import launch_t0
+    timeline = Timeline(launch_t0())
+    timeline.mark("preflight")   # process start, imports, the preflight again
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     deepspeed.utils.logger.setLevel(logging.WARNING)
     accelerator = get_accelerator()
@@ -81,8 +84,9 @@ def run_rank(config, plan, env) -> int:
         if isinstance(compatible, dict):
             compatible["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), verbose=False)
+    timeline.mark("distributed")
     try:
-        trainer = Trainer(config, plan, env)
+        trainer = Trainer(config, plan, env, timeline)
         return trainer.run()
     except torch.OutOfMemoryError as err:
         raise UserError(f"out of memory on rank {env.rank} ({str(err).splitlines()[0][:160]}); try a higher "
@@ -92,16 +96,32 @@ def run_rank(config, plan, env) -> int:
             torch.distributed.destroy_process_group()
 
 
+class Timeline:
+    """Seconds from the launch's start (`pretrain.launch.launch_t0`) to each start-up phase's end, in order:
+    where a launch's fixed cost goes (preflight, process group, model build, engine, loader, first step)."""
+
+    def __init__(self, t0: float):
+        self.t0 = t0
+        self.marks: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        self.marks[phase] = round(time.time() - self.t0, 3)
+
+    def describe(self) -> str:
+        return ", ".join(f"{phase} {at:.1f}s" for phase, at in self.marks.items())
+
+
 class Trainer:
     """Holds the engine, loader and hooks of one rank; `run()` trains and writes the run directory."""
 
-    def __init__(self, config, plan, env):
+    def __init__(self, config, plan, env, timeline: Timeline | None = None):
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
         from pretrain.data import ShardDataset, make_loader
         from pretrain.ds_config import build_ds_config, resolve_precision
         self.config, self.plan, self.env = config, plan, env
+        self.timeline = timeline or Timeline(time.time())
         self.accelerator = get_accelerator()
         self.on_cpu = self.accelerator.device_name() == "cpu"
         self.device = torch.device("cpu") if self.on_cpu else torch.device(self.accelerator.device_name(),
@@ -118,8 +138,13 @@ class Trainer:
         self.peak_tflops = peak_tflops_for(device_name, self.precision, config.peak_tflops)
 
         self.resume_tag = self._prepare_resume() if config.resume else None
+        if config.zero == 3:     # the partitioned build already puts weights on the devices
+            self._wait_for_start_gate()
         self.model_init = self._build_model(plan.model_config, config.seed)
         model = self.model_init.pop("model")
+        self.timeline.mark("model_built")
+        if config.zero < 3:      # built on the host: wait for the devices only now
+            self._wait_for_start_gate()
         if config.compile and config.zero < 3:
             model.compile_regions()
         elif config.compile:
@@ -129,12 +154,14 @@ class Trainer:
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=self.ds_config,
             lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))
+        self.timeline.mark("engine")
         dataset = ShardDataset(config.data, input_length=plan.input_length, target_length=plan.target_length,
                                cache_dir=config.cache_dir)
         self.loader = make_loader(dataset, micro_batch_size=config.micro_batch, global_batch_size=self.global_batch,
                                   seed=config.seed, rank=env.rank, world_size=self.world_size,
                                   num_workers=config.loader_workers, pin_memory=not self.on_cpu,
                                   prefetch_factor=config.prefetch_factor, persistent_workers=True)
+        self.timeline.mark("loader")
         self.start_step = 0
         self.resumed_from = None
         if config.resume:
@@ -203,6 +230,14 @@ class Trainer:
             method = "pretrain.model.build (whole model on every rank)"
         return {"model": model, "method": method, "parameters": parameters, "local_parameters": local,
                 "host_peak_rss_gib": round(host_peak_rss_gib(), 3)}   # this rank's host peak so far
+
+    def _wait_for_start_gate(self) -> None:
+        """Under `study run` with overlap_startup, hold here until the previous point has left the devices."""
+        from pretrain.launch import wait_for_start_gate
+
+        waited = wait_for_start_gate()
+        if waited is not None:
+            self.timeline.mark("start_gate")
 
     def _say(self, message: str) -> None:
         if self.env.is_main:
@@ -307,6 +342,8 @@ class Trainer:
         try:
             for record in self.steps():          # hooks: metrics, then checkpoint
                 records.append(record)
+                if len(records) == 1:
+                    self.timeline.mark("first_step")
                 log.write(record)
                 step = record["step"]
                 if (config.save_every and step % config.save_every == 0) or (save_at_end and step == self.end_step):
@@ -316,6 +353,8 @@ class Trainer:
             self.loader.close()
         if config.export_hf:
             self.export_hf(Path(config.export_hf))
+        self.timeline.mark("trained")
+        self._say(f"[startup] seconds since launch: {self.timeline.describe()}")
         if self.env.is_main:
             status = "ok" if self.end_step == config.steps else "stopped"
             summary = summarize(records, steady_skip=config.steady_skip, status=status, start_step=self.start_step,
@@ -324,7 +363,8 @@ class Trainer:
                                 zero_stage=config.zero, offload=config.offload, world_size=self.world_size,
                                 micro_batch=config.micro_batch, grad_accum=self.grad_accum,
                                 global_batch=self.global_batch, loader_workers=config.loader_workers,
-                                model=self.plan.model_config.name, precision=self.precision)
+                                model=self.plan.model_config.name, precision=self.precision,
+                                launch_t0=self.timeline.t0, timeline_s=dict(self.timeline.marks))
             write_summary(self.run_dir, summary)
             print(final_summary_line(summary), flush=True)
         return 0

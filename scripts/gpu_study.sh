@@ -4,7 +4,9 @@
 # `prep corpus` (the GPU machine has no Ray). Carry both; then on the GPU machine:
 #   ./scripts/gpu_study.sh GRID.yaml SHARDS [SECONDS]
 # runs `study run` for at most SECONDS (default 330; unfinished points are left for a rerun), rebuilds the
-# report, and copies results.csv, report.md, the plots, the log and the runs' metrics into $OUT (or ./gpu-out).
+# report, and copies results.csv, report.md, the plots, the log and the study's runs (runs.tar.gz) into $OUT
+# (or ./gpu-out). The study lives in STUDY_DIR (default .gpu/studies/GRID-NAME): to go on with a grid on a
+# fresh machine, unpack the last runs.tar.gz there, here, and carry .gpu again: finished points are skipped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 GRID=${1:?grid file}; DATA=${2:?shard set}; SECONDS_FOR_STUDY=${3:-330}
@@ -18,10 +20,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__, "gpus", torch.cuda.device_count())' 2>&1 | grep -v WARNING
-STUDY=/tmp/study-$(basename "$GRID" .yaml)
+STUDY=${STUDY_DIR:-.gpu/studies/$(basename "$GRID" .yaml)}
 timeout -s INT -k 30 "$SECONDS_FOR_STUDY" python3 -m pretrain.study_cli run "$GRID" --data "$DATA" --out "$STUDY" 2>&1 \
   | grep -v 'real_accelerator.py' | tee "$DEST/study.log"
 python3 -m pretrain.study_cli report "$STUDY" 2>&1 | tee -a "$DEST/study.log"
 cp "$STUDY"/results.csv "$STUDY"/report.md "$STUDY"/*.png "$DEST"/ 2>/dev/null
-tar -czf "$DEST/runs.tar.gz" -C "$STUDY" --exclude='checkpoints' --exclude='tb' runs 2>/dev/null
+tar -czf "$DEST/runs.tar.gz" -C "$STUDY" --exclude='checkpoints' --exclude='tb' study.json runs 2>/dev/null
 ls -la "$DEST"
