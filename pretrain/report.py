@@ -320,6 +320,10 @@ def _setup_section(rows: list[dict[str, Any]], setup: dict[str, Any]) -> str:
         lines.append(f"- Every point: {base.get('steps')} steps, the first {base.get('skip_steps')} excluded from the "
                      f"medians; global batch {base.get('global_batch')}; precision {base.get('precision') or 'default'}; "
                      f"seed {base.get('seed')}; timeout {base.get('timeout_s')} s per point.")
+        if base.get("overlap_startup"):
+            lines.append("- overlap_startup: each point's host-side start-up (imports, preflight, model build) ran "
+                         "while the point before it trained (not beside offload points); training steps never "
+                         "overlapped.")
     else:
         steps = sorted({r["steps"] for r in rows if r.get("steps")})
         batches = sorted({r["global_batch"] for r in rows if r.get("global_batch")})
@@ -330,7 +334,10 @@ def _setup_section(rows: list[dict[str, Any]], setup: dict[str, Any]) -> str:
     commands = setup.get("commands") or []
     text = "\n".join(lines)
     if commands:
-        text += "\n- Commands:\n\n```\n" + "\n".join(commands) + "\n```"
+        runs = {command: commands.count(command) for command in commands}   # in first-run order
+        text += "\n- Commands:\n\n```\n" + "\n".join(
+            command + (f"   # run {count} times; each rerun skipped the finished points" if count > 1 else "")
+            for command, count in runs.items()) + "\n```"
     if setup.get("point_command"):
         text += "\n- One point's own launch (each point is one such `pretrain` command):\n\n```\n" \
                 + setup["point_command"] + "\n```"
