@@ -211,7 +211,18 @@ def resolve_config(argv: list[str] | None = None) -> TrainConfig:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `pretrain` console script."""
-    return run_cli(lambda: _main(argv))
+    from pretrain.launch import rank_env
+
+    code = run_cli(lambda: _main(argv))
+    if rank_env().launched:
+        # A rank leaves without the interpreter's teardown: gloo's worker threads can still be destroying finished
+        # collectives that hold Python tensors while Python finalizes, which aborts the process (SIGABRT, "terminate
+        # called without an active exception") after a run that succeeded: ~4% of 2-rank CPU launches.
+        # Everything the run writes is closed by now (metrics, TensorBoard, checkpoints, summary.json).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _main(argv: list[str] | None) -> int:
