@@ -194,7 +194,7 @@ def test_the_cpu_demo_grid_end_to_end(tmp_path):
     out = tmp_path / "cpu-tiny"
     result = run_cli("run", str(CONFIGS_DIR / "study" / "cpu-tiny.yaml"), "--out", str(out), timeout=1200)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "8 points: 8 ok, 0 oom, 0 failed, 0 timeout" in result.stdout
+    assert "8 points: 8 ok, 0 oom, 0 failed, 0 timeout" in result.stdout, result.stdout[-3000:]  # each point's reason
     with open(out / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert {(r["zero"], r["loader_workers"]) for r in rows} == {(str(z), str(w)) for z in range(4) for w in (0, 2)}
