@@ -623,7 +623,8 @@ def run_study(grid_path: str | os.PathLike, study_dir: str | os.PathLike, *, dat
         for position, (index, point) in enumerate(todo):
             run_dir = runs / point.point_id
             prefix = f"[{index}/{len(points)}] {point.label}"
-            current, ahead = (ahead, None) if ahead is not None else (start(point, gated=False), None)
+            current = ahead if ahead is not None else start(point, gated=False)   # ahead was launched for this point
+            ahead = None
             hidden_s = current.open_gate()
             if grid.base.overlap_startup and point.offload == "none" and position + 1 < len(todo):
                 # offload points keep the host's cores to themselves (CPU Adam): nothing starts beside them
