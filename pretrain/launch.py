@@ -104,18 +104,25 @@ def launch(config, argv: list[str]) -> int:
     return spawn_local(argv, config.nproc, Path(config.out))
 
 
+def local_rank_environ(rank: int, nproc: int, port: int, **extra: str) -> dict[str, str]:
+    """This process's environment for local rank `rank` of `nproc` on this machine: the variables torchrun and the
+    deepspeed launcher set (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT),
+    this checkout first on PYTHONPATH, and `extra`."""
+    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
 def spawn_local(argv: list[str], nproc: int, run_dir: Path) -> int:
     """Start `nproc` ranks of `python -m pretrain.cli ARGV` on this machine and wait for all of them."""
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
+    spawned = {SPAWNED_ENV: "1", LAUNCH_T0_ENV: str(launch_t0())}   # the parent's start, or its own launcher's
     ranks: list[tuple[subprocess.Popen, Path]] = []
     for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   **{SPAWNED_ENV: "1"})
-        env.setdefault(LAUNCH_T0_ENV, str(launch_t0()))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        env = local_rank_environ(rank, nproc, port, **spawned)
         log_path = log_dir / f"rank-{rank}.log"
         log = open(log_path, "w")
         stdout = None if rank == 0 else log

@@ -114,14 +114,14 @@ class Timeline:
 class Trainer:
     """Holds the engine, loader and hooks of one rank; `run()` trains and writes the run directory."""
 
-    def __init__(self, config, plan, env, timeline: Timeline | None = None):
+    def __init__(self, config, plan, env, timeline: Timeline):
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
         from pretrain.data import ShardDataset, make_loader
         from pretrain.ds_config import build_ds_config, resolve_precision
         self.config, self.plan, self.env = config, plan, env
-        self.timeline = timeline or Timeline(time.time())
+        self.timeline = timeline
         self.accelerator = get_accelerator()
         self.on_cpu = self.accelerator.device_name() == "cpu"
         self.device = torch.device("cpu") if self.on_cpu else torch.device(self.accelerator.device_name(),

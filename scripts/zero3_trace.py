@@ -355,7 +355,7 @@ def run_trace(model: str = "t5-v1_1-small", *, zero: int = 3, steps: int = 4, np
               ds_debug: bool = False, timeout: float = 600, workdir: str | os.PathLike | None = None) -> dict:
     """Start `nproc` gloo ranks of this script on this machine (RANK / WORLD_SIZE / MASTER_* as pretrain's
     spawner sets them) and return rank 0's report {"run": {...}, "steps": [one report per step]}."""
-    from pretrain.launch import free_port
+    from pretrain.launch import free_port, local_rank_environ
 
     workdir = Path(workdir or tempfile.mkdtemp(prefix="zero3_trace_"))
     report = workdir / f"report-zero{zero}.json"
@@ -365,15 +365,14 @@ def run_trace(model: str = "t5-v1_1-small", *, zero: int = 3, steps: int = 4, np
             "--stage3", json.dumps(stage3 or {}), "--model-overrides", json.dumps(model_overrides or {})]
     if ds_debug:
         argv.append("--ds-debug")
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc),
-               LOCAL_WORLD_SIZE=str(nproc), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p))
+    port = free_port()
+    threads = os.environ.get("OMP_NUM_THREADS", "1")
     logs = [workdir / f"zero{zero}-rank-{rank}.log" for rank in range(nproc)]
     ranks = []
     for rank, log_path in enumerate(logs):
         with open(log_path, "w") as log:
-            ranks.append(subprocess.Popen(argv, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), stdout=log,
-                                          stderr=subprocess.STDOUT))
+            ranks.append(subprocess.Popen(argv, env=local_rank_environ(rank, nproc, port, OMP_NUM_THREADS=threads),
+                                          stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout
     try:
         for process in ranks:
