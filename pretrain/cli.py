@@ -52,7 +52,7 @@ class TrainConfig:
     grad_clip: float = 1.0               # global gradient-norm clip (0 disables)
     precision: str = "auto"              # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     activation_checkpointing: bool = False
-    compile: bool = False                # torch.compile each block and the loss chunk (ZeRO 0-2; skipped at 3)
+    compile: bool = False                # torch.compile each block's forward and the loss chunk
     loader_workers: int = 0              # torch DataLoader worker processes per rank
     prefetch_factor: int = 2
     save_every: int = 0                  # checkpoint every N steps (0: only at the end / at --stop-after)
@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="full fp32 (default on CPU)")
     add("--activation-checkpointing", action="store_true", help="recompute activations in backward")
     add("--compile", action="store_true",
-        help="torch.compile each block and the loss chunk (ZeRO 0-2; ZeRO 3's parameter hooks are not compiled)")
+        help="torch.compile each block's forward and the loss chunk (every stage; ~10-30 s on the first step)")
     add("--loader-workers", type=int, help="DataLoader workers per rank (default 0)")
     add("--prefetch-factor", type=int, help="batches prefetched per loader worker (default 2)")
     add("--save-every", type=int, help="checkpoint every N steps (default 0: only at the end)")

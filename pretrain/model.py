@@ -380,11 +380,15 @@ class T5Model(nn.Module):
         return self.lm_head(hidden, labels)
 
     def compile_regions(self) -> "T5Model":
-        """torch.compile each block (one static graph per stack kind, shared by its blocks) and the loss chunk;
-        compiles in seconds where compiling the whole model takes minutes. Returns self."""
+        """torch.compile each block's forward (one static graph per stack kind, shared by its blocks) and the loss
+        chunk; compiles in seconds where compiling the whole model takes minutes. Returns self.
+
+        The forward is compiled, not the module call: module hooks stay outside the graphs. ZeRO 3 gathers a block's
+        parameters in such hooks (a block is its unit of gathering, see `build_partitioned`), so the compiled
+        forward runs on whole weights and the same graphs serve every stage."""
         for stack in (self.encoder, self.decoder):
             for block in stack.blocks:
-                block.compile(dynamic=False)
+                block.forward = torch.compile(block.forward, dynamic=False)
         self.lm_head.chunk_fn = torch.compile(cross_entropy_chunk, dynamic=False)
         return self
 

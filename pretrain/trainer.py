@@ -145,10 +145,8 @@ class Trainer:
         self.timeline.mark("model_built")
         if config.zero < 3:      # built on the host: wait for the devices only now
             self._wait_for_start_gate()
-        if config.compile and config.zero < 3:
+        if config.compile:
             model.compile_regions()
-        elif config.compile:
-            self._say("[compile] skipped at ZeRO 3: its per-module parameter gathering hooks break the graphs")
         schedule = LRSchedule(config.schedule, config.warmup_steps, config.steps, config.min_lr_ratio)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],

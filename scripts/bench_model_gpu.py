@@ -66,6 +66,32 @@ def profile(step, args, name: str) -> None:
     print("\n".join(table.splitlines()[:18]), flush=True)
 
 
+def sdpa_backends(model, args) -> dict:
+    """The fused SDPA kernel PyTorch picks for each attention of `model` (bf16, the benchmark's shapes and the
+    model's own position biases, with gradients): encoder self, decoder self (causal bias), cross (no mask)."""
+    from torch.nn.attention import SDPBackend
+    names = {int(getattr(SDPBackend, n)): n.lower() for n in dir(SDPBackend) if n.isupper()}
+    config, dtype, device = model.config, torch.bfloat16, args.device
+    heads, d_kv, batch = config.num_heads, config.d_kv, args.batch
+
+    def projected(length, parts):   # the layout Attention._heads gives: a permuted view of one fused projection
+        x = torch.randn(batch, length, parts * heads * d_kv, device=device, dtype=dtype, requires_grad=True)
+        return x.view(batch, length, parts, heads, d_kv).permute(2, 0, 3, 1, 4).unbind(0)
+
+    with torch.device(device):
+        def bias(stack, length):   # a copy of the stack's bias module on the device: `model` stays as it is
+            return copy.deepcopy(stack.relative_attention_bias).to(device, dtype)(length, length)
+        encoder_bias = bias(model.encoder, args.input_length)
+        decoder_bias = bias(model.decoder, args.target_length)
+        causal = torch.ones(args.target_length, args.target_length, dtype=torch.bool).tril()
+        decoder_bias = decoder_bias.masked_fill(~causal, float("-inf"))
+    cases = {"encoder-self": (*projected(args.input_length, 3), encoder_bias),
+             "decoder-self": (*projected(args.target_length, 3), decoder_bias),
+             "cross": (projected(args.target_length, 1)[0], *projected(args.input_length, 2), None)}
+    return {name: names.get(int(torch._fused_sdp_choice(q, k, v, bias, 0.0, False, scale=1.0)), "?")
+            for name, (q, k, v, bias) in cases.items()}
+
+
 def make_step(variant: str, model, batch):
     """A closure running one training step of `variant` on `batch`; returns the loss tensor."""
     input_ids, labels = batch
@@ -173,6 +199,8 @@ def main() -> int:
         batch = (torch.randint(low, high, (args.batch, args.input_length), generator=generator).to(args.device),
                  torch.randint(low, high, (args.batch, args.target_length), generator=generator).to(args.device))
         flops = train_step_flops(config, args.batch, args.input_length, args.target_length)
+        if args.device == "cuda":
+            print(f"{preset}: SDPA kernels {sdpa_backends(ours_cpu, args)}", flush=True)
         print(f"{preset}: {count_parameters(config) / 1e6:.0f}M parameters, {flops / 1e12:.1f} TFLOP per step "
               f"(batch {args.batch}, lengths {args.input_length}/{args.target_length})", flush=True)
         for variant in args.variants:

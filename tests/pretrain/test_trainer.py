@@ -8,6 +8,7 @@ Launches (each a real `python -m pretrain.cli` run, 6 steps of 16 examples, grad
          stale metrics line are planted in between: neither may be used)
   stop0 / stop1 / stop3  ZeRO 0 / 1 / 3, --stop-after 3 (the stage comparison); 0 and 3 also --export-hf,
          1 with --activation-checkpointing --offload cpu; 3 builds the model partitioned (deepspeed.zero.Init)
+         and runs compiled (--compile: each block's forward compiled inside ZeRO 3's gathering hooks)
   one0 / one1 / one2 / one3  --nproc 1 --resume from the step-3 checkpoint of stop0 / stop1 / ref / stop3 (2 ranks
          -> 1, grad accumulation 2 -> 4; ZeRO 1-3 through a universal checkpoint)
   broken --nproc 1 --resume from a ZeRO 2 checkpoint with a corrupt partition file: must fail with one line
@@ -73,8 +74,9 @@ class Runs:
         workers = ["--loader-workers", "1"] if stage == 2 else []     # the resumed pair reads through a worker
         # recomputation and optimizer offload must not change the math
         recompute = ["--activation-checkpointing", "--offload", "cpu"] if stage == 1 else []
+        compiled = ["--compile"] if stage == 3 else []   # nor must compiling inside ZeRO 3's parameter hooks
         self.run(f"stop{stage}", "--zero", str(stage), "--nproc", "2", "--stop-after", str(HALF), *export, *workers,
-                 *recompute)
+                 *recompute, *compiled)
         return self.metrics(f"stop{stage}")
 
 
@@ -102,6 +104,7 @@ def test_every_zero_stage_gives_the_same_losses_and_the_loss_falls(runs):
     assert stop1["deepspeed"]["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     # ZeRO 3 built the model partitioned (zero.Init): each of the 2 ranks held about half of the weights from the
     # start (each parameter's partition is padded to a multiple of the world size); stages 0-2 hold all of them
+    assert json.loads((runs.dir("stop3") / "config.json").read_text())["train"]["compile"] is True
     stop3 = json.loads((runs.dir("stop3") / "config.json").read_text())["model_init"]
     assert "zero.Init" in stop3["method"]
     assert stop3["parameters"] / 2 <= stop3["local_parameters"] < stop3["parameters"] / 2 + 100, stop3
