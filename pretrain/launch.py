@@ -114,6 +114,36 @@ def local_rank_environ(rank: int, nproc: int, port: int, **extra: str) -> dict[s
     return env
 
 
+def run_script_ranks(argv: list[str], logs: list[Path], timeout: float, name: str, report: Path) -> None:
+    """Run `argv` (a script and its flags) as len(logs) gloo ranks on this machine, each rank's output to its log,
+    and wait up to `timeout` seconds; a rank still running then (or left waiting in a collective by one that
+    failed) is killed. Raises RuntimeError naming the first failed rank (or rank 0, if it wrote no `report`) and
+    ending with its log's tail. For the measuring scripts (scripts/zero3_trace.py, scripts/zero3_overhead.py);
+    pretrain itself uses `spawn_local`."""
+    port = free_port()
+    threads = os.environ.get("OMP_NUM_THREADS", "1")
+    ranks = []
+    for rank, log_path in enumerate(logs):
+        with open(log_path, "w") as log:
+            ranks.append(subprocess.Popen(argv, env=local_rank_environ(rank, len(logs), port, OMP_NUM_THREADS=threads),
+                                          stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    try:
+        for process in ranks:
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    failed = [rank for rank, process in enumerate(ranks) if process.returncode != 0]
+    if failed or not report.is_file():
+        log = logs[failed[0] if failed else 0]
+        raise RuntimeError(f"{name}: rank(s) {failed or [0]} failed; {log} ends with:\n{log.read_text()[-4000:]}")
+
+
 def spawn_local(argv: list[str], nproc: int, run_dir: Path) -> int:
     """Start `nproc` ranks of `python -m pretrain.cli ARGV` on this machine and wait for all of them."""
     log_dir = run_dir / "logs"

@@ -35,7 +35,6 @@ import json
 import os
 import pstats
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -184,7 +183,7 @@ def run_overhead(model: str = "mt5-large", *, zero: int = 3, compile: bool = Fal
                  profile: bool = False, leaf: str = "", timeout: float = 900,
                  workdir: str | os.PathLike | None = None) -> dict:
     """Start `nproc` gloo ranks of this script and return rank 0's report {"run", "steps"[, "profile"]}."""
-    from pretrain.launch import free_port, local_rank_environ
+    from pretrain.launch import run_script_ranks
 
     workdir = Path(workdir or tempfile.mkdtemp(prefix="zero3_overhead_"))
     report = workdir / f"report-zero{zero}-{time.monotonic_ns()}.json"
@@ -197,28 +196,8 @@ def run_overhead(model: str = "mt5-large", *, zero: int = 3, compile: bool = Fal
         argv.append("--compile")
     if profile:
         argv.append("--profile")
-    port = free_port()
-    threads = os.environ.get("OMP_NUM_THREADS", "1")
     logs = [report.with_suffix(f".rank-{rank}.log") for rank in range(nproc)]
-    ranks = []
-    for rank, log_path in enumerate(logs):
-        with open(log_path, "w") as log:
-            ranks.append(subprocess.Popen(argv, env=local_rank_environ(rank, nproc, port, OMP_NUM_THREADS=threads),
-                                          stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout
-    try:
-        for process in ranks:
-            process.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for process in ranks:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    failed = [rank for rank, process in enumerate(ranks) if process.returncode != 0]
-    if failed or not report.is_file():
-        log = logs[failed[0] if failed else 0]
-        raise RuntimeError(f"zero3_overhead: rank(s) {failed or [0]} failed; {log} ends with:\n"
-                           f"{log.read_text()[-4000:]}")
+    run_script_ranks(argv, logs, timeout, "zero3_overhead", report)
     result = json.loads(report.read_text())
     result["run"]["logs"] = [str(path) for path in logs]
     if profile:

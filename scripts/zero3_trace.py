@@ -42,7 +42,6 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -355,7 +354,7 @@ def run_trace(model: str = "t5-v1_1-small", *, zero: int = 3, steps: int = 4, np
               ds_debug: bool = False, timeout: float = 600, workdir: str | os.PathLike | None = None) -> dict:
     """Start `nproc` gloo ranks of this script on this machine (RANK / WORLD_SIZE / MASTER_* as pretrain's
     spawner sets them) and return rank 0's report {"run": {...}, "steps": [one report per step]}."""
-    from pretrain.launch import free_port, local_rank_environ
+    from pretrain.launch import run_script_ranks
 
     workdir = Path(workdir or tempfile.mkdtemp(prefix="zero3_trace_"))
     report = workdir / f"report-zero{zero}.json"
@@ -365,27 +364,8 @@ def run_trace(model: str = "t5-v1_1-small", *, zero: int = 3, steps: int = 4, np
             "--stage3", json.dumps(stage3 or {}), "--model-overrides", json.dumps(model_overrides or {})]
     if ds_debug:
         argv.append("--ds-debug")
-    port = free_port()
-    threads = os.environ.get("OMP_NUM_THREADS", "1")
     logs = [workdir / f"zero{zero}-rank-{rank}.log" for rank in range(nproc)]
-    ranks = []
-    for rank, log_path in enumerate(logs):
-        with open(log_path, "w") as log:
-            ranks.append(subprocess.Popen(argv, env=local_rank_environ(rank, nproc, port, OMP_NUM_THREADS=threads),
-                                          stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout
-    try:
-        for process in ranks:
-            process.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for process in ranks:            # a rank that failed leaves the other waiting in a collective
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    failed = [rank for rank, process in enumerate(ranks) if process.returncode != 0]
-    if failed or not report.is_file():
-        log = logs[failed[0] if failed else 0]
-        raise RuntimeError(f"zero3_trace: rank(s) {failed or [0]} failed; {log} ends with:\n{log.read_text()[-4000:]}")
+    run_script_ranks(argv, logs, timeout, "zero3_trace", report)
     result = json.loads(report.read_text())
     result["run"]["logs"] = [str(path) for path in logs]
     return result

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -70,3 +71,16 @@ def tiny_prep(sample_corpus, tiny_tokenizer):
     """A factory: tiny_prep(out, **overrides) -> the PrepConfig of `tiny_shards` aimed at `out`."""
     return lambda out, **overrides: tiny_prep_config(**{"inputs": [sample_corpus], "tokenizer": tiny_tokenizer,
                                                         "out": out, **overrides})
+
+
+@pytest.fixture(scope="session")
+def load_script():
+    """`load_script(NAME)`: scripts/NAME.py imported as a module (the measuring scripts are files, not a package)."""
+    from pipeline.common import REPO_ROOT
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return load

@@ -10,19 +10,12 @@ still traces one graph per stack kind plus the loss chunk, with no graph break, 
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
-
-from pipeline.common import REPO_ROOT
 
 
 @pytest.fixture(scope="module")
-def zero3_overhead():
-    spec = importlib.util.spec_from_file_location("zero3_overhead", REPO_ROOT / "scripts" / "zero3_overhead.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def zero3_overhead(load_script):
+    return load_script("zero3_overhead")
 
 
 def test_compiled_blocks_stay_one_graph_each_under_zero3(zero3_overhead, tmp_path):

@@ -9,12 +9,10 @@ threshold). ~10 s each on 2 CPU cores.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 
 import pytest
 
-from pipeline.common import REPO_ROOT
 from pretrain.model import build
 
 ALL_PARTITIONED = {"stage3_param_persistence_threshold": 0}
@@ -24,13 +22,9 @@ ALL_PARTITIONED = {"stage3_param_persistence_threshold": 0}
 TIGHT = {**ALL_PARTITIONED, "stage3_max_live_parameters": 260_000, "stage3_max_reuse_distance": 260_000,
          "stage3_prefetch_bucket_size": 13_000}
 
-
 @pytest.fixture(scope="module")
-def zero3_trace():
-    spec = importlib.util.spec_from_file_location("zero3_trace", REPO_ROOT / "scripts" / "zero3_trace.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def zero3_trace(load_script):
+    return load_script("zero3_trace")
 
 
 def outside_blocks(preset: str) -> int:
