@@ -74,6 +74,7 @@ class TrainConfig:
     stage3_param_persistence_threshold: int | None = None
     stage3_max_live_parameters: int | None = None
     stage3_max_reuse_distance: int | None = None
+    stage3_gather_unit: str = "block"    # ZeRO-3 unit of gathering: each block, or each whole stack (a trial)
     deepspeed: dict[str, Any] = field(default_factory=dict)   # raw DeepSpeed keys merged last (YAML only)
     model_overrides: dict[str, Any] = field(default_factory=dict)  # T5Config fields (YAML only)
 
@@ -90,6 +91,8 @@ class TrainConfig:
              "--offload nvme needs --zero 3 (ZeRO-Infinity); use --offload cpu at stages 1-2")
         need(self.offload != "nvme" or bool(self.nvme_path),
              "--offload nvme needs --nvme-path DIR (a directory on a fast local NVMe drive)")
+        need(self.stage3_gather_unit in ("block", "stack"),
+             f"--stage3-gather-unit must be block or stack, got {self.stage3_gather_unit!r}")
         need(self.schedule in SCHEDULES, f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         need(self.precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         for name in ("steps", "micro_batch", "nproc", "log_every", "prefetch_factor"):
@@ -193,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--stage3-param-persistence-threshold", type=int, help="ZeRO-3: params smaller than this stay gathered")
     add("--stage3-max-live-parameters", type=int, help="ZeRO-3: max gathered params at once")
     add("--stage3-max-reuse-distance", type=int, help="ZeRO-3: keep a param gathered if reused within this")
+    add("--stage3-gather-unit", choices=("block", "stack"),
+        help="ZeRO-3: gather each T5 block (default) or each whole encoder/decoder stack at once")
     # the `deepspeed` launcher appends --local_rank=N; the rank is read from LOCAL_RANK instead
     add("--local_rank", "--local-rank", dest="launcher_local_rank", type=int, help=argparse.SUPPRESS)
     return parser

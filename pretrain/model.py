@@ -461,7 +461,11 @@ def build(preset_or_config: str | T5Config, seed: int = 0, **overrides) -> T5Mod
     return model
 
 
-def build_partitioned(preset_or_config: str | T5Config, ds_config: dict, seed: int = 0, **overrides) -> T5Model:
+GATHER_UNITS = ("block", "stack")
+
+
+def build_partitioned(preset_or_config: str | T5Config, ds_config: dict, seed: int = 0, gather_unit: str = "block",
+                      **overrides) -> T5Model:
     """`build` for ZeRO 3 without a full copy per rank: the model is constructed under
     `deepspeed.zero.Init(config_dict_or_path=ds_config)`, so every parameter is partitioned over the ranks (or
     offloaded, as ds_config says) as soon as its module exists. The weights are then the ones `build` gives
@@ -476,7 +480,11 @@ def build_partitioned(preset_or_config: str | T5Config, ds_config: dict, seed: i
     in mt5-large against 59 now, a host-side cost that grows with the module count, not the model's width; on
     CPU it made stage 3 run at half of stage 2's speed while every parameter was prefetched and gathered once
     (scripts/zero3_trace.py shows both; see docs/pretrain.md). Weights, math and partitioning are unchanged; a
-    block (at most 1/50 of a model) is only the unit of gathering."""
+    block (at most 1/50 of a model) is only the unit of gathering. `gather_unit="stack"` makes each whole encoder
+    or decoder stack the unit instead (fewer hooks still, but half of the blocks' weights whole at once: 0.8 GB
+    bf16 for mt5-large, 11 GB for mt5-xxl); a trial setting, measured only on CPU so far (docs/pretrain.md)."""
+    if gather_unit not in GATHER_UNITS:
+        raise UserError(f"ZeRO-3 gather unit must be one of {GATHER_UNITS}, got {gather_unit!r}")
     import deepspeed
     import torch.distributed as dist
 
@@ -490,5 +498,5 @@ def build_partitioned(preset_or_config: str | T5Config, ds_config: dict, seed: i
             with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
                 if writer:
                     fill(module, normal)
-    deepspeed.utils.set_z3_leaf_modules(model, [Block])
+    deepspeed.utils.set_z3_leaf_modules(model, [Block if gather_unit == "block" else Stack])
     return model

@@ -218,7 +218,8 @@ class Trainer:
         from pretrain.model import build, build_partitioned
 
         if self.config.zero == 3:
-            model = build_partitioned(model_config, self.ds_config, seed=seed)
+            model = build_partitioned(model_config, self.ds_config, seed=seed,
+                                      gather_unit=self.config.stage3_gather_unit)
             parameters = sum(p.ds_numel for p in model.parameters())
             local = sum(p.ds_tensor.numel() for p in model.parameters())
             method = "deepspeed.zero.Init + GatheredParameters(modifier_rank=0) per module"

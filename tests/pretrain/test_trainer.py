@@ -9,6 +9,7 @@ Launches (each a real `python -m pretrain.cli` run, 6 steps of 16 examples, grad
   stop0 / stop1 / stop3  ZeRO 0 / 1 / 3, --stop-after 3 (the stage comparison); 0 and 3 also --export-hf,
          1 with --activation-checkpointing --offload cpu; 3 builds the model partitioned (deepspeed.zero.Init)
          and runs compiled (--compile: each block's forward compiled inside ZeRO 3's gathering hooks)
+  stack3 ZeRO 3 eager with each whole stack as the unit of gathering (--stage3-gather-unit stack), --stop-after 3
   one0 / one1 / one2 / one3  --nproc 1 --resume from the step-3 checkpoint of stop0 / stop1 / ref / stop3 (2 ranks
          -> 1, grad accumulation 2 -> 4; ZeRO 1-3 through a universal checkpoint)
   broken --nproc 1 --resume from a ZeRO 2 checkpoint with a corrupt partition file: must fail with one line
@@ -99,6 +100,9 @@ def test_every_zero_stage_gives_the_same_losses_and_the_loss_falls(runs):
         assert [r["zero_stage"] for r in stopped] == [stage] * HALF
         assert losses(stopped) == pytest.approx(losses(ref[:HALF]), rel=2e-5, abs=2e-5), f"ZeRO {stage}"
         assert [r["batch_checksum"] for r in stopped] == [r["batch_checksum"] for r in ref[:HALF]]
+    # a whole stack as ZeRO 3's unit of gathering (eager): the same math again
+    runs.run("stack3", "--zero", "3", "--nproc", "2", "--stop-after", str(HALF), "--stage3-gather-unit", "stack")
+    assert losses(runs.metrics("stack3")) == pytest.approx(losses(ref[:HALF]), rel=2e-5, abs=2e-5), "stack unit"
     stop1 = json.loads((runs.dir("stop1") / "config.json").read_text())
     assert stop1["model"]["activation_checkpointing"] is True
     assert stop1["deepspeed"]["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
