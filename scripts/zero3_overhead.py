@@ -15,7 +15,7 @@ the preset's module and parameter structure (layers, heads, the fused weights) a
 mostly framework overhead: what ZeRO 3 adds to it is host work (and, on gloo, communication) that ZeRO 2 does
 not have. At ZeRO 3 --shape-only also sets
 stage3_param_persistence_threshold 1000, so that the same parameters stay whole as at full width with the default
-1e5 (the norms and position biases). --leaf Stack trials a larger unit of gathering than the Block.
+1e5 (the norms and position biases). --gather-unit stack makes a whole stack ZeRO 3's unit of gathering.
 
 Prints per stage: median seconds per optimizer step and per micro-step over the steps after --skip, split into
 forward / backward / optimizer step (host wall time), rank 0's losses, and with --profile the DeepSpeed functions
@@ -115,10 +115,8 @@ def rank_main(args) -> None:
     model_config = load_config(args.model, **json.loads(args.model_overrides))
     ds_config = overhead_ds_config(model=args.model, zero=args.zero, micro_batch=args.micro_batch, accum=args.accum,
                                    world_size=world_size, precision=args.precision, extra=json.loads(args.ds))
-    model = build_partitioned(model_config, ds_config, seed=0) if args.zero == 3 else build(model_config, seed=0)
-    if args.zero == 3 and args.leaf:       # a larger unit of gathering than build_partitioned's Block (a trial)
-        import pretrain.model as model_module
-        deepspeed.utils.set_z3_leaf_modules(model, [getattr(model_module, name) for name in args.leaf.split(",")])
+    model = (build_partitioned(model_config, ds_config, seed=0, gather_unit=args.gather_unit) if args.zero == 3
+             else build(model_config, seed=0))
     if args.compile:
         model.compile_regions()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds_config)
@@ -162,7 +160,7 @@ def rank_main(args) -> None:
                "precision": args.precision, "ds_extra": json.loads(args.ds),
                "zero_optimization": ds_config["zero_optimization"], "model_overrides": json.loads(args.model_overrides),
                "parameter_tensors": sum(1 for _ in model.parameters()),
-               "leaf": args.leaf, "hooked_modules": sum(1 for m in model.modules() if hasattr(m, "ds_id")),
+               "gather_unit": args.gather_unit, "hooked_modules": sum(1 for m in model.modules() if hasattr(m, "ds_id")),
                "linear": f"{torch.nn.functional.linear.__module__}.{torch.nn.functional.linear.__name__}",
                "dynamo_counters": dynamo_counters(),
                "parameters": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())}
@@ -180,7 +178,7 @@ def rank_main(args) -> None:
 def run_overhead(model: str = "mt5-large", *, zero: int = 3, compile: bool = False, steps: int = 10, skip: int = 3,
                  accum: int = 1, nproc: int = 2, micro_batch: int = 2, input_length: int = 64, target_length: int = 16,
                  precision: str = "fp32", ds: dict | None = None, model_overrides: dict | None = None,
-                 profile: bool = False, leaf: str = "", timeout: float = 900,
+                 profile: bool = False, gather_unit: str = "block", timeout: float = 900,
                  workdir: str | os.PathLike | None = None) -> dict:
     """Start `nproc` gloo ranks of this script and return rank 0's report {"run", "steps"[, "profile"]}."""
     from pretrain.launch import run_script_ranks
@@ -191,7 +189,7 @@ def run_overhead(model: str = "mt5-large", *, zero: int = 3, compile: bool = Fal
             "--zero", str(zero), "--steps", str(steps), "--skip", str(skip), "--accum", str(accum),
             "--micro-batch", str(micro_batch), "--input-length", str(input_length),
             "--target-length", str(target_length), "--precision", precision, "--ds", json.dumps(ds or {}),
-            "--model-overrides", json.dumps(model_overrides or {}), "--leaf", leaf]
+            "--model-overrides", json.dumps(model_overrides or {}), "--gather-unit", gather_unit]
     if compile:
         argv.append("--compile")
     if profile:
@@ -293,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--ds", default="{}", help="JSON merged into the DeepSpeed config of ZeRO 3 (and --ds2: 2)")
     parser.add_argument("--ds2", default="{}", help="JSON merged into the DeepSpeed config of ZeRO 2")
-    parser.add_argument("--leaf", default="", help="ZeRO 3: also mark these pretrain.model classes z3 leaf modules "
-                                                   "(e.g. Stack: a whole encoder/decoder is the unit of gathering)")
+    parser.add_argument("--gather-unit", default="block", choices=("block", "stack"),
+                        help="ZeRO 3's unit of gathering (pretrain --stage3-gather-unit)")
     parser.add_argument("--profile", action="store_true", help="cProfile rank 0 over the measured steps")
     parser.add_argument("--compare", default="", help="a --json file whose ZeRO 2 run to compare against")
     parser.add_argument("--json", default="", help="also write the full results to this file")
@@ -317,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                               accum=args.accum, nproc=args.nproc, micro_batch=args.micro_batch,
                               input_length=args.input_length, target_length=args.target_length,
                               precision=args.precision, ds=ds3 if zero == 3 else json.loads(args.ds2),
-                              model_overrides=overrides, profile=args.profile, leaf=args.leaf)
+                              model_overrides=overrides, profile=args.profile, gather_unit=args.gather_unit)
         results[f"zero{zero}"] = result
         run = result["run"]
         print(format_summary(f"ZeRO {zero}{' compiled' if args.compile else ''} ({run['parameter_tensors']} parameter "
