@@ -24,6 +24,7 @@ from pipeline.common import UserError, run_cli
 
 SCHEDULES = ("constant", "linear", "cosine", "inverse_sqrt")
 OFFLOADS = ("none", "cpu", "nvme")
+GATHER_UNITS = ("block", "stack")   # pretrain.model.GATHER_UNITS' names (this module does not import torch)
 PRECISIONS = ("auto", "bf16", "fp32")
 
 
@@ -91,8 +92,8 @@ class TrainConfig:
              "--offload nvme needs --zero 3 (ZeRO-Infinity); use --offload cpu at stages 1-2")
         need(self.offload != "nvme" or bool(self.nvme_path),
              "--offload nvme needs --nvme-path DIR (a directory on a fast local NVMe drive)")
-        need(self.stage3_gather_unit in ("block", "stack"),
-             f"--stage3-gather-unit must be block or stack, got {self.stage3_gather_unit!r}")
+        need(self.stage3_gather_unit in GATHER_UNITS,
+             f"--stage3-gather-unit must be one of {GATHER_UNITS}, got {self.stage3_gather_unit!r}")
         need(self.schedule in SCHEDULES, f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         need(self.precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         for name in ("steps", "micro_batch", "nproc", "log_every", "prefetch_factor"):
@@ -196,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--stage3-param-persistence-threshold", type=int, help="ZeRO-3: params smaller than this stay gathered")
     add("--stage3-max-live-parameters", type=int, help="ZeRO-3: max gathered params at once")
     add("--stage3-max-reuse-distance", type=int, help="ZeRO-3: keep a param gathered if reused within this")
-    add("--stage3-gather-unit", choices=("block", "stack"),
+    add("--stage3-gather-unit", choices=GATHER_UNITS,
         help="ZeRO-3: gather each T5 block (default) or each whole encoder/decoder stack at once")
     # the `deepspeed` launcher appends --local_rank=N; the rank is read from LOCAL_RANK instead
     add("--local_rank", "--local-rank", dest="launcher_local_rank", type=int, help=argparse.SUPPRESS)

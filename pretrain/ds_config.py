@@ -84,3 +84,13 @@ def build_ds_config(config, *, world_size: int, grad_accum: int, accelerator: st
     if config.deepspeed:
         ds = deep_merge(ds, config.deepspeed)
     return ds
+
+
+def cpu_ds_config(*, world_size: int, grad_accum: int = 1, **train_fields: Any) -> dict[str, Any]:
+    """The DeepSpeed config `pretrain` runs with on CPU for these TrainConfig fields (model, zero, micro_batch,
+    precision, stage3_*, deepspeed, ...), built as the trainer builds it. For the measuring scripts
+    (scripts/zero3_trace.py, scripts/zero3_overhead.py), which run DeepSpeed without a shard set or run dir."""
+    from pretrain.cli import TrainConfig
+
+    config = TrainConfig(data="-", out="-", **train_fields)
+    return build_ds_config(config, world_size=world_size, grad_accum=grad_accum, accelerator="cpu")

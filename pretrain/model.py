@@ -247,12 +247,17 @@ class Stack(nn.Module):
         self.is_decoder = is_decoder
         self.config = config
 
-    def forward(self, x, padding_bias=None, memory=None, memory_bias=None):
-        length = x.shape[1]
-        bias = self.relative_attention_bias(length, length).to(x.dtype)
+    def self_attention_bias(self, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """[1, heads, length, length] bias of this stack's self-attention: the position bias, in the decoder with
+        the causal mask folded in (-inf above the diagonal)."""
+        bias = self.relative_attention_bias(length, length).to(dtype)
         if self.is_decoder:
-            causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+            causal = torch.ones(length, length, dtype=torch.bool, device=bias.device).tril()
             bias = bias.masked_fill(~causal, float("-inf"))
+        return bias
+
+    def forward(self, x, padding_bias=None, memory=None, memory_bias=None):
+        bias = self.self_attention_bias(x.shape[1], x.dtype)
         if padding_bias is not None:
             bias = bias + padding_bias
         x = F.dropout(x, self.config.dropout_rate, self.training)
@@ -461,7 +466,7 @@ def build(preset_or_config: str | T5Config, seed: int = 0, **overrides) -> T5Mod
     return model
 
 
-GATHER_UNITS = ("block", "stack")
+GATHER_UNITS = {"block": Block, "stack": Stack}   # ZeRO 3's unit of gathering, by pretrain --stage3-gather-unit
 
 
 def build_partitioned(preset_or_config: str | T5Config, ds_config: dict, seed: int = 0, gather_unit: str = "block",
@@ -484,7 +489,7 @@ def build_partitioned(preset_or_config: str | T5Config, ds_config: dict, seed: i
     or decoder stack the unit instead (fewer hooks still, but half of the blocks' weights whole at once: 0.8 GB
     bf16 for mt5-large, 11 GB for mt5-xxl); a trial setting, measured only on CPU so far (docs/pretrain.md)."""
     if gather_unit not in GATHER_UNITS:
-        raise UserError(f"ZeRO-3 gather unit must be one of {GATHER_UNITS}, got {gather_unit!r}")
+        raise UserError(f"ZeRO-3 gather unit must be one of {tuple(GATHER_UNITS)}, got {gather_unit!r}")
     import deepspeed
     import torch.distributed as dist
 
@@ -498,5 +503,5 @@ def build_partitioned(preset_or_config: str | T5Config, ds_config: dict, seed: i
             with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
                 if writer:
                     fill(module, normal)
-    deepspeed.utils.set_z3_leaf_modules(model, [Block if gather_unit == "block" else Stack])
+    deepspeed.utils.set_z3_leaf_modules(model, [GATHER_UNITS[gather_unit]])
     return model

@@ -62,28 +62,34 @@ def git_revision() -> str:
     return (head + ("-dirty" if dirty else "")) if head else "unknown"
 
 
-def run_rank(config, plan, env) -> int:
-    """Initialise the process group (gloo on CPU, nccl on GPU), train, and tear down."""
+def init_rank(local_rank: int, local_world_size: int, log_level: int = logging.WARNING) -> None:
+    """This rank's DeepSpeed process group (gloo on CPU, nccl on GPU): DeepSpeed's log level, the rank's device
+    (on CPU its share of the host's threads), then `deepspeed.init_distributed`. Also used by the measuring
+    scripts (scripts/zero3_trace.py, scripts/zero3_overhead.py), so that they run ranks as pretrain does."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from pretrain.launch import launch_t0
-    timeline = Timeline(launch_t0())
-    timeline.mark("preflight")   # process start, imports, the preflight again
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    deepspeed.utils.logger.setLevel(logging.WARNING)
+    for target in (deepspeed.utils.logger, *deepspeed.utils.logger.handlers):
+        target.setLevel(log_level)
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
-    else:
-        accelerator.set_device(env.local_rank)
-    if accelerator.device_name() == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world_size)))
         # DeepSpeed JIT-compiles a shared-memory all-reduce op on CPU (~1 min, needs a C++ compiler) that only
         # its inference all-reduce uses; training never calls it, so mark it unavailable and skip the build.
         compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
         if isinstance(compatible, dict):
             compatible["deepspeed_shm_comm"] = False
+    else:
+        accelerator.set_device(local_rank)
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), verbose=False)
+
+
+def run_rank(config, plan, env) -> int:
+    """Initialise the process group (gloo on CPU, nccl on GPU), train, and tear down."""
+    from pretrain.launch import launch_t0
+    timeline = Timeline(launch_t0())
+    timeline.mark("preflight")   # process start, imports, the preflight again
+    init_rank(env.local_rank, env.local_world_size)
     timeline.mark("distributed")
     try:
         trainer = Trainer(config, plan, env, timeline)

@@ -78,13 +78,8 @@ def sdpa_backends(model, args) -> dict:
         x = torch.randn(batch, length, parts * heads * d_kv, device=device, dtype=dtype, requires_grad=True)
         return x.view(batch, length, parts, heads, d_kv).permute(2, 0, 3, 1, 4).unbind(0)
 
-    with torch.device(device):
-        def bias(stack, length):   # a copy of the stack's bias module on the device: `model` stays as it is
-            return copy.deepcopy(stack.relative_attention_bias).to(device, dtype)(length, length)
-        encoder_bias = bias(model.encoder, args.input_length)
-        decoder_bias = bias(model.decoder, args.target_length)
-        causal = torch.ones(args.target_length, args.target_length, dtype=torch.bool).tril()
-        decoder_bias = decoder_bias.masked_fill(~causal, float("-inf"))
+    encoder_bias = model.encoder.self_attention_bias(args.input_length, dtype).to(device)
+    decoder_bias = model.decoder.self_attention_bias(args.target_length, dtype).to(device)
     cases = {"encoder-self": (*projected(args.input_length, 3), encoder_bias),
              "decoder-self": (*projected(args.target_length, 3), decoder_bias),
              "cross": (projected(args.target_length, 1)[0], *projected(args.input_length, 2), None)}

@@ -39,7 +39,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -68,23 +67,6 @@ GROUPS = {
 }
 
 
-def deep_merge(base: dict, extra: dict) -> dict:
-    from pretrain.ds_config import deep_merge as merge
-    return merge(base, extra)
-
-
-def overhead_ds_config(*, model: str, zero: int, micro_batch: int, accum: int, world_size: int, precision: str,
-                       extra: dict | None = None) -> dict[str, Any]:
-    """The DeepSpeed config `pretrain --zero N --micro-batch M --global-batch M*accum*world` runs with on CPU, with
-    `extra` merged in last (as `deepspeed:` in a --config file)."""
-    from pretrain.cli import TrainConfig
-    from pretrain.ds_config import build_ds_config
-
-    config = TrainConfig(model=model, data="-", out="-", zero=zero, micro_batch=micro_batch, precision=precision,
-                         deepspeed=extra or {})
-    return build_ds_config(config, world_size=world_size, grad_accum=accum, accelerator="cpu")
-
-
 # ---------------------------------------------------------------------------------------------- one rank's work
 
 def dynamo_counters() -> dict:
@@ -98,23 +80,17 @@ def dynamo_counters() -> dict:
 
 def rank_main(args) -> None:
     import deepspeed
-    from deepspeed.accelerator import get_accelerator
 
+    from pretrain.ds_config import cpu_ds_config
     from pretrain.model import build, build_partitioned, load_config
+    from pretrain.trainer import init_rank
 
     world_size = int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    import logging
-    for target in (deepspeed.utils.logger, *deepspeed.utils.logger.handlers):
-        target.setLevel(logging.WARNING)
-    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
-    if isinstance(compatible, dict):
-        compatible["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
+    init_rank(int(os.environ["LOCAL_RANK"]), world_size)
     rank = torch.distributed.get_rank()
     model_config = load_config(args.model, **json.loads(args.model_overrides))
-    ds_config = overhead_ds_config(model=args.model, zero=args.zero, micro_batch=args.micro_batch, accum=args.accum,
-                                   world_size=world_size, precision=args.precision, extra=json.loads(args.ds))
+    ds_config = cpu_ds_config(model=args.model, zero=args.zero, micro_batch=args.micro_batch, grad_accum=args.accum,
+                              world_size=world_size, precision=args.precision, deepspeed=json.loads(args.ds))
     model = (build_partitioned(model_config, ds_config, seed=0, gather_unit=args.gather_unit) if args.zero == 3
              else build(model_config, seed=0))
     if args.compile:
@@ -274,6 +250,8 @@ def format_profile(profile: dict, rows: int = 15) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pretrain.cli import GATHER_UNITS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="mt5-large", help="preset name or YAML path (default mt5-large)")
@@ -291,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--ds", default="{}", help="JSON merged into the DeepSpeed config of ZeRO 3 (and --ds2: 2)")
     parser.add_argument("--ds2", default="{}", help="JSON merged into the DeepSpeed config of ZeRO 2")
-    parser.add_argument("--gather-unit", default="block", choices=("block", "stack"),
+    parser.add_argument("--gather-unit", default="block", choices=GATHER_UNITS,
                         help="ZeRO 3's unit of gathering (pretrain --stage3-gather-unit)")
     parser.add_argument("--profile", action="store_true", help="cProfile rank 0 over the measured steps")
     parser.add_argument("--compare", default="", help="a --json file whose ZeRO 2 run to compare against")
@@ -303,11 +281,12 @@ def main(argv: list[str] | None = None) -> int:
         args.zero = int(args.zero)
         rank_main(args)
         return 0
+    from pretrain.ds_config import deep_merge
+
     overrides = json.loads(args.model_overrides)
-    if args.shape_only:
-        overrides = {**SHAPE_ONLY, **overrides}
     ds3 = json.loads(args.ds)
     if args.shape_only:
+        overrides = {**SHAPE_ONLY, **overrides}
         ds3 = deep_merge(SHAPE_ONLY_STAGE3, ds3)
     results = {}
     for zero in (int(z) for z in args.zero.split(",")):

@@ -67,18 +67,14 @@ SHAPE_ONLY = {"d_model": 64, "d_kv": 16, "d_ff": 128, "vocab_size": 4096}
 
 # ------------------------------------------------------------------------------------------ the DeepSpeed config
 
-def trace_ds_config(*, model: str, micro_batch: int, world_size: int, precision: str, zero: int = 3,
-                    stage3: dict[str, int] | None = None) -> dict[str, Any]:
+def trace_ds_config(*, zero: int, stage3: dict[str, int] | None = None, **train_fields) -> dict[str, Any]:
     """The DeepSpeed config `pretrain --zero N --micro-batch M` runs with on CPU (one micro-batch per step); at
     ZeRO 3 with DeepSpeed's trace-cache warnings on. `stage3` sets --stage3-* tunables, e.g.
     {"stage3_param_persistence_threshold": 0}."""
-    from pretrain.cli import TrainConfig
-    from pretrain.ds_config import build_ds_config
+    from pretrain.ds_config import cpu_ds_config
 
     warnings = {"zero_optimization": {"log_trace_cache_warnings": True}} if zero == 3 else {}
-    config = TrainConfig(model=model, data="-", out="-", zero=zero, micro_batch=micro_batch, precision=precision,
-                         deepspeed=warnings, **(stage3 or {}))
-    return build_ds_config(config, world_size=world_size, grad_accum=1, accelerator="cpu")
+    return cpu_ds_config(zero=zero, deepspeed=warnings, **train_fields, **(stage3 or {}))
 
 
 # --------------------------------------------------------------------------------------------------- the probe
@@ -285,19 +281,12 @@ def rank_main(args) -> None:
     """One rank: build the model (partitioned at ZeRO 3, as pretrain does), train `args.steps` steps on random
     tokens; rank 0 writes the per-step reports to args.report."""
     import deepspeed
-    from deepspeed.accelerator import get_accelerator
 
     from pretrain.model import build, build_partitioned, load_config
+    from pretrain.trainer import init_rank
 
     world_size = int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    level = logging.DEBUG if args.ds_debug else logging.WARNING
-    for target in (deepspeed.utils.logger, *deepspeed.utils.logger.handlers):
-        target.setLevel(level)
-    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
-    if isinstance(compatible, dict):       # as pretrain.trainer: skip building the CPU shm op nobody uses
-        compatible["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
+    init_rank(int(os.environ["LOCAL_RANK"]), world_size, logging.DEBUG if args.ds_debug else logging.WARNING)
     rank = torch.distributed.get_rank()
     overrides = json.loads(args.model_overrides or "{}")
     model_config = load_config(args.model, **overrides)
