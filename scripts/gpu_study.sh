@@ -11,13 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 GRID=${1:?grid file}; DATA=${2:?shard set}; SECONDS_FOR_STUDY=${3:-330}
 DEST=${OUT:-gpu-out}; mkdir -p "$DEST"
-# NVLink multicast stays off on shared hosts. The image sets TORCH_CUDA_ARCH_LIST=9.0a, which DeepSpeed 0.19's op
-# builder cannot parse (int("0a")): force 9.0, which also keeps the JIT builds (FusedAdam, CPU Adam) short.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || { echo "gpu_study: could not install .whl/ (run scripts/gpu_wheels.sh here and carry .whl)" >&2; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD
+NAME=gpu_study; source scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__, "gpus", torch.cuda.device_count())' 2>&1 | grep -v WARNING
 STUDY=${STUDY_DIR:-.gpu/studies/$(basename "$GRID" .yaml)}

@@ -13,14 +13,7 @@ cd "$(dirname "$0")/.."
 DATA=${1:?shard set}; shift
 VARIANTS=${*:-z2 z3 z3-mel-off z3-expandable z3-stack}
 DEST=${OUT:-gpu-out}; WORK=${WORK:-/tmp/zero3-ab}; mkdir -p "$DEST" "$WORK"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
-if ! python3 -c 'import deepspeed' 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "gpu_zero3_ab: could not install .whl/ (run scripts/gpu_wheels.sh here and carry .whl)" >&2; exit 1; }
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+NAME=gpu_zero3_ab; source scripts/gpu_env.sh
 printf 'deepspeed:\n  zero_optimization:\n    memory_efficient_linear: false\n' > "$WORK/mel-off.yaml"
 COMMON=(--model "${MODEL:-mt5-large}" --data "$DATA" --steps 14 --steady-skip 5 --micro-batch "${MICRO_BATCH:-64}"
         --global-batch "${GLOBAL_BATCH:-128}" --nproc 2 "${PRECISION:---bf16}" --compile --lr 1e-4 --warmup-steps 2
