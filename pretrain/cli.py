@@ -54,6 +54,7 @@ class TrainConfig:
     precision: str = "auto"              # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     activation_checkpointing: bool = False
     compile: bool = False                # torch.compile each block's forward and the loss chunk
+    deepcompile: bool = False            # DeepSpeed's DeepCompile instead (whole model, ZeRO 1-3, CUDA only; a trial)
     loader_workers: int = 0              # torch DataLoader worker processes per rank
     prefetch_factor: int = 2
     save_every: int = 0                  # checkpoint every N steps (0: only at the end / at --stop-after)
@@ -70,6 +71,7 @@ class TrainConfig:
     force: bool = False                  # run even when the memory estimate says it will not fit
     log_every: int = 1                   # console progress line every N steps
     steady_skip: int = 2                 # steps excluded from summary medians (compile, allocator warm-up)
+    profile_steps: int = 0               # torch.profiler over the last N steps on rank 0 -> RUN_DIR/profile/
     peak_tflops: float | None = None     # per-device peak for MFU (default: by device; none on CPU)
     stage3_prefetch_bucket_size: int | None = None
     stage3_param_persistence_threshold: int | None = None
@@ -94,11 +96,14 @@ class TrainConfig:
              "--offload nvme needs --nvme-path DIR (a directory on a fast local NVMe drive)")
         need(self.stage3_gather_unit in GATHER_UNITS,
              f"--stage3-gather-unit must be one of {GATHER_UNITS}, got {self.stage3_gather_unit!r}")
+        need(not self.deepcompile or self.zero >= 1,
+             "--deepcompile needs ZeRO stage 1, 2 or 3 (DeepSpeed compiles no stage-0 engine); use --compile at stage 0")
         need(self.schedule in SCHEDULES, f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         need(self.precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         for name in ("steps", "micro_batch", "nproc", "log_every", "prefetch_factor"):
             need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "save_every", "loader_workers", "steady_skip", "grad_clip", "weight_decay"):
+        for name in ("warmup_steps", "save_every", "loader_workers", "steady_skip", "profile_steps", "grad_clip",
+                     "weight_decay"):
             need(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
         need(0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
@@ -176,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--activation-checkpointing", action="store_true", help="recompute activations in backward")
     add("--compile", action="store_true",
         help="torch.compile each block's forward and the loss chunk (every stage; ~10-30 s on the first step)")
+    add("--deepcompile", action="store_true",
+        help="compile the whole model with DeepSpeed's DeepCompile (ZeRO 1-3, CUDA GPUs only; replaces --compile: "
+             "the ZeRO hooks become ops inside the graph, a trial against --compile's per-block graphs)")
     add("--loader-workers", type=int, help="DataLoader workers per rank (default 0)")
     add("--prefetch-factor", type=int, help="batches prefetched per loader worker (default 2)")
     add("--save-every", type=int, help="checkpoint every N steps (default 0: only at the end)")
@@ -192,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--force", action="store_true", help="run even if the memory estimate says it does not fit")
     add("--log-every", type=int, help="console progress line every N steps (default 1)")
     add("--steady-skip", type=int, help="first steps left out of the summary medians (default 2)")
+    add("--profile-steps", type=int,
+        help="profile the last N steps on rank 0 (torch.profiler): RUN_DIR/profile/ gets the trace, op tables and "
+             "device-busy / host-sync shares; the summary's medians leave those steps out (default 0: off)")
     add("--peak-tflops", type=float, help="device peak TFLOP/s for MFU (default: by device; none on CPU)")
     add("--stage3-prefetch-bucket-size", type=int, help="ZeRO-3 prefetch bucket (elements)")
     add("--stage3-param-persistence-threshold", type=int, help="ZeRO-3: params smaller than this stay gathered")

@@ -140,8 +140,9 @@ def steady_state_figures(steady: list[dict[str, Any]]) -> dict[str, Any]:
 
 def summarize(records: list[dict[str, Any]], *, steady_skip: int, status: str, **extra: Any) -> dict[str, Any]:
     """summary.json: status, steps, and medians over the steady-state steps (the first `steady_skip`
-    steps of this launch left out, at least one step kept)."""
+    steps of this launch and the steps run under the profiler left out, at least one step kept)."""
     steady = records[min(steady_skip, max(0, len(records) - 1)):]
+    steady = [r for r in steady if not r.get("profiled")] or steady[-1:]
     figures = steady_state_figures(steady)
     step_time, data_wait = figures["step_time_s"], figures["data_wait_s"]
     summary = {

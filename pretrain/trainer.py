@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from torch.profiler import record_function
 
 from pipeline.common import REPO_ROOT, UserError, atomic_write_json
 from pretrain import checkpoint as ckpt
@@ -151,13 +152,15 @@ class Trainer:
         self.timeline.mark("model_built")
         if config.zero < 3:      # built on the host: wait for the devices only now
             self._wait_for_start_gate()
-        if config.compile:
+        if config.compile and not config.deepcompile:
             model.compile_regions()
         schedule = LRSchedule(config.schedule, config.warmup_steps, config.steps, config.min_lr_ratio)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=self.ds_config,
             lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))
+        if config.deepcompile:    # DeepSpeed compiles the whole module, ZeRO's gathers and reductions as graph ops
+            self.engine.compile()
         self.timeline.mark("engine")
         dataset = ShardDataset(config.data, input_length=plan.input_length, target_length=plan.target_length,
                                cache_dir=config.cache_dir)
@@ -186,6 +189,12 @@ class Trainer:
         self.end_step = config.steps if config.stop_after is None else min(config.steps,
                                                                             self.start_step + config.stop_after)
         self.position_weights = torch.arange(1, plan.input_length + 1, dtype=torch.int64)
+        self.profiler = None
+        if config.profile_steps and env.is_main:
+            from pretrain.profiling import StepProfiler
+            first = max(self.start_step + 1, self.end_step - config.profile_steps + 1)
+            self.profiler = StepProfiler(self.run_dir / "profile", first_step=first, last_step=self.end_step,
+                                         cuda=not self.on_cpu, say=self._say)
 
     # -- helpers -----------------------------------------------------------------------------------------------
 
@@ -292,20 +301,28 @@ class Trainer:
             losses = []
             checksum = 0
             synchronize()
+            if self.profiler is not None:
+                self.profiler.before_step(step)
             step_start = time.perf_counter()
             for _ in range(self.grad_accum):
                 wait_start = time.perf_counter()
-                batch = next(batches)
+                with record_function("pretrain.data"):
+                    batch = next(batches)
                 data_wait_s += time.perf_counter() - wait_start
                 checksum += int((batch["input_ids"] * self.position_weights).sum())
                 input_ids = batch["input_ids"].to(self.device, non_blocking=True)
                 labels = batch["labels"].to(self.device, non_blocking=True)
-                loss = engine(input_ids, labels=labels)
-                engine.backward(loss)
-                engine.step()
+                with record_function("pretrain.forward"):
+                    loss = engine(input_ids, labels=labels)
+                with record_function("pretrain.backward"):
+                    engine.backward(loss)
+                with record_function("pretrain.step"):     # DeepSpeed's optimizer step (at the last micro-batch)
+                    engine.step()
                 losses.append(loss.detach().float())
             synchronize()
             step_time_s = time.perf_counter() - step_start
+            if self.profiler is not None:
+                self.profiler.after_step(step)
             reduced = torch.stack([torch.stack(losses).mean().double().to(self.device),
                                    torch.tensor(float(checksum), dtype=torch.float64, device=self.device)])
             torch.distributed.all_reduce(reduced)
@@ -325,6 +342,7 @@ class Trainer:
                 "consumed_samples": self.loader.state_dict()["consumed_samples"],
                 "epoch": self.loader.state_dict()["epoch"], "batch_checksum": int(reduced[1]),
                 "grad_norm": None if grad_norm is None else float(grad_norm),
+                "profiled": bool(config.profile_steps) and step > self.end_step - config.profile_steps,
             }
 
     def save(self, step: int) -> None:

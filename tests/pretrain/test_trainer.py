@@ -8,7 +8,8 @@ Launches (each a real `python -m pretrain.cli` run, 6 steps of 16 examples, grad
          stale metrics line are planted in between: neither may be used)
   stop0 / stop1 / stop3  ZeRO 0 / 1 / 3, --stop-after 3 (the stage comparison); 0 and 3 also --export-hf,
          1 with --activation-checkpointing --offload cpu; 3 builds the model partitioned (deepspeed.zero.Init)
-         and runs compiled (--compile: each block's forward compiled inside ZeRO 3's gathering hooks)
+         and runs compiled (--compile: each block's forward compiled inside ZeRO 3's gathering hooks), its last step
+         under the profiler (--profile-steps 1)
   stack3 ZeRO 3 eager with each whole stack as the unit of gathering (--stage3-gather-unit stack), --stop-after 3
   one0 / one1 / one2 / one3  --nproc 1 --resume from the step-3 checkpoint of stop0 / stop1 / ref / stop3 (2 ranks
          -> 1, grad accumulation 2 -> 4; ZeRO 1-3 through a universal checkpoint)
@@ -75,7 +76,8 @@ class Runs:
         workers = ["--loader-workers", "1"] if stage == 2 else []     # the resumed pair reads through a worker
         # recomputation and optimizer offload must not change the math
         recompute = ["--activation-checkpointing", "--offload", "cpu"] if stage == 1 else []
-        compiled = ["--compile"] if stage == 3 else []   # nor must compiling inside ZeRO 3's parameter hooks
+        # nor must compiling inside ZeRO 3's parameter hooks, nor the profiler on its last step
+        compiled = ["--compile", "--profile-steps", "1"] if stage == 3 else []
         self.run(f"stop{stage}", "--zero", str(stage), "--nproc", "2", "--stop-after", str(HALF), *export, *workers,
                  *recompute, *compiled)
         return self.metrics(f"stop{stage}")
@@ -109,6 +111,15 @@ def test_every_zero_stage_gives_the_same_losses_and_the_loss_falls(runs):
     # ZeRO 3 built the model partitioned (zero.Init): each of the 2 ranks held about half of the weights from the
     # start (each parameter's partition is padded to a multiple of the world size); stages 0-2 hold all of them
     assert json.loads((runs.dir("stop3") / "config.json").read_text())["train"]["compile"] is True
+    # --profile-steps 1: rank 0 profiled the launch's last step, which the summary's medians leave out
+    assert [r["profiled"] for r in runs.metrics("stop3")] == [False, False, True]
+    assert json.loads((runs.dir("stop3") / "summary.json").read_text())["steady_steps"] == 1
+    profile = json.loads((runs.dir("stop3") / "profile" / "summary.json").read_text())
+    assert profile["first_step"] == profile["last_step"] == HALF and profile["window_s"] > 0
+    assert set(profile["host_phases"]) == {"data", "forward", "backward", "step"}
+    assert profile["host_phases"]["forward"]["calls"] == 2          # grad accumulation 2
+    assert (runs.dir("stop3") / "profile" / "trace-rank0.json.gz").stat().st_size > 0
+    assert "[profile] 1 step" in runs.done["stop3"].stdout
     stop3 = json.loads((runs.dir("stop3") / "config.json").read_text())["model_init"]
     assert "zero.Init" in stop3["method"]
     assert stop3["parameters"] / 2 <= stop3["local_parameters"] < stop3["parameters"] / 2 + 100, stop3

@@ -1,0 +1,199 @@
+"""`pretrain --profile-steps N`: a torch.profiler trace of a run's last N optimizer steps on rank 0, and what it says.
+
+    profiler = StepProfiler(run_dir / "profile", first_step=99, last_step=100, cuda=True)
+    profiler.before_step(step); ...; profiler.after_step(step)     # around each optimizer step
+    summary = summarize_trace("trace.json.gz", window_s)              # also usable on any exported trace
+
+The profiled steps are the last ones of the launch, so the earlier steps (and the run's medians, which leave the
+profiled steps out) are not perturbed by the profiler. RUN_DIR/profile/ then holds the Chrome trace
+(trace-rank0.json.gz, open it in chrome://tracing or https://ui.perfetto.dev), ops.txt (the profiler's op tables)
+and summary.json: for the profiled window, how busy each GPU stream was (union of its kernels' intervals), how
+busy the GPU was at all, the share of each kernel family (GEMM, attention, NCCL collective, Triton / elementwise,
+copies), and how long the host thread sat in device synchronisations (cudaStreamSynchronize,
+cudaEventSynchronize, cudaDeviceSynchronize, synchronous copies) and in each of the trainer's phases (data,
+forward, backward, DeepSpeed's step: host wall time, which runs ahead of the device unless it syncs). A GPU idle for a large share of the window
+while the host is not waiting on it means the host is the bottleneck (Python, launches); a long host wait
+beside an idle GPU means a synchronisation stalls the pipeline.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+TRACE_NAME = "trace-rank0.json.gz"
+PHASE_PREFIX = "pretrain."      # the trainer's record_function ranges: pretrain.{data,forward,backward,step}
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
+              "cudaStreamWaitEvent")
+BLOCKING_SYNC_CALLS = SYNC_CALLS[:4]      # cudaStreamWaitEvent only enqueues a dependency
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+FAMILIES = (   # first match wins, on the lower-cased kernel name
+    ("nccl", ("nccl",)),
+    ("attention", ("fmha", "flash", "attention", "attn", "cudnn_generated_fort_native_sdpa")),
+    ("gemm", ("gemm", "nvjet", "sm90_xmma", "cutlass", "cublas", "matmul")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("triton", ("triton_",)),
+    ("copy", ("memcpy", "memset", "copy", "cat", "fill")),
+)
+
+
+def kernel_family(name: str) -> str:
+    lowered = name.lower()
+    for family, needles in FAMILIES:
+        if any(needle in lowered for needle in needles):
+            return family
+    return "other"
+
+
+def union_seconds(intervals: Iterable[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) intervals (microseconds in, seconds out)."""
+    total, current_start, current_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if current_end is None or start > current_end:
+            if current_end is not None:
+                total += current_end - current_start
+            current_start, current_end = start, end
+        else:
+            current_end = max(current_end, end)
+    if current_end is not None:
+        total += current_end - current_start
+    return total / 1e6
+
+
+def load_trace(path: str | os.PathLike) -> list[dict[str, Any]]:
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as handle:
+        data = json.load(handle)
+    return data.get("traceEvents", data) if isinstance(data, dict) else data
+
+
+def summarize_trace(path: str | os.PathLike, window_s: float | None = None, top: int = 15) -> dict[str, Any]:
+    """Device busy time by stream and kernel family, and host time in synchronisations, from a Chrome trace
+    written by torch.profiler. `window_s` is the wall time of the profiled steps (default: the span from the
+    first to the last event in the trace)."""
+    events = [e for e in load_trace(path) if e.get("ph") == "X" and "dur" in e]
+    if not events:
+        return {"window_s": window_s, "device_events": 0}
+    first = min(float(e["ts"]) for e in events)
+    last = max(float(e["ts"]) + float(e["dur"]) for e in events)
+    window = window_s if window_s else (last - first) / 1e6
+    device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES]
+    by_stream: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    by_family: dict[str, float] = defaultdict(float)
+    by_kernel: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for event in device:
+        start, duration = float(event["ts"]), float(event["dur"])
+        args = event.get("args") or {}
+        stream = f"device {args.get('device', '?')} stream {args.get('stream', '?')}"
+        by_stream[stream].append((start, start + duration))
+        family = "copy" if event.get("cat") != "kernel" else kernel_family(event.get("name", ""))
+        by_family[family] += duration / 1e6
+        entry = by_kernel[event.get("name", "?")[:120]]
+        entry[0] += 1
+        entry[1] += duration / 1e6
+    busy = union_seconds(interval for intervals in by_stream.values() for interval in intervals)
+    syncs: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for event in events:
+        if event.get("cat") == "cuda_runtime" and event.get("name") in SYNC_CALLS:
+            entry = syncs[event["name"]]
+            entry[0] += 1
+            entry[1] += float(event["dur"]) / 1e6
+    phases: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])   # the trainer's record_function ranges
+    for event in events:
+        if event.get("cat") == "user_annotation" and str(event.get("name", "")).startswith(PHASE_PREFIX):
+            entry = phases[event["name"][len(PHASE_PREFIX):]]
+            entry[0] += 1
+            entry[1] += float(event["dur"]) / 1e6
+    kernel_total = sum(by_family.values())
+    host_sync_s = sum(seconds for name, (_, seconds) in syncs.items() if name in BLOCKING_SYNC_CALLS)
+    return {
+        "window_s": round(window, 6),
+        "device_events": len(device),
+        "device_busy_s": round(busy, 6),
+        "device_busy_share": round(busy / window, 4) if window and device else None,
+        "streams": {stream: {"kernels": len(intervals), "busy_s": round(union_seconds(intervals), 6),
+                             "busy_share": round(union_seconds(intervals) / window, 4) if window else None}
+                    for stream, intervals in sorted(by_stream.items(), key=lambda kv: -len(kv[1]))},
+        "families": {family: {"seconds": round(seconds, 6),
+                              "share_of_kernel_time": round(seconds / kernel_total, 4) if kernel_total else None}
+                     for family, seconds in sorted(by_family.items(), key=lambda kv: -kv[1])},
+        "host_phases": {name: {"calls": calls, "seconds": round(seconds, 6),
+                               "share": round(seconds / window, 4) if window else None}
+                        for name, (calls, seconds) in phases.items()},
+        "host_sync_s": round(host_sync_s, 6),
+        "host_sync_share": round(host_sync_s / window, 4) if window else None,
+        "sync_calls": {name: {"calls": calls, "seconds": round(seconds, 6)} for name, (calls, seconds) in
+                       sorted(syncs.items(), key=lambda kv: -kv[1][1])},
+        "top_kernels": [{"name": name, "calls": calls, "seconds": round(seconds, 6)} for name, (calls, seconds) in
+                        sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:top]],
+    }
+
+
+def describe(summary: dict[str, Any], steps: int) -> str:
+    """One console line: `[profile] 2 steps, 1.234 s: host in forward 40%, backward 52%, step 6%; device busy
+    61.0% (kernel time: gemm 46%, attention 27%, ...); host blocked in device syncs 12.0%`."""
+    phases = ", ".join(f"{name} {100 * (info['share'] or 0):.0f}%"
+                       for name, info in summary.get("host_phases", {}).items()) or "no trainer phases"
+    head = f"[profile] {steps} step{'s' if steps != 1 else ''}, {summary['window_s']:.3f} s: host in {phases}"
+    if not summary.get("device_events"):
+        return head + "; no device kernels (CPU run): ops.txt has the op times"
+    families = ", ".join(f"{name} {100 * (info['share_of_kernel_time'] or 0):.0f}%"
+                         for name, info in list(summary["families"].items())[:5])
+    return (f"{head}; device busy {100 * summary['device_busy_share']:.1f}% (kernel time: {families}); "
+            f"host blocked in device syncs {100 * (summary['host_sync_share'] or 0):.1f}%")
+
+
+class StepProfiler:
+    """torch.profiler over optimizer steps first_step..last_step (inclusive) of rank 0; writes RUN_DIR/profile/."""
+
+    def __init__(self, out_dir: Path, first_step: int, last_step: int, cuda: bool, say=print):
+        self.out_dir, self.first_step, self.last_step, self.cuda = Path(out_dir), first_step, last_step, cuda
+        self.say = say
+        self._profiler = None
+        self._started = 0.0
+        self.summary: dict[str, Any] | None = None
+
+    def covers(self, step: int) -> bool:
+        return self.first_step <= step <= self.last_step
+
+    def before_step(self, step: int) -> None:
+        if step != self.first_step:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler = torch.profiler.profile(activities=activities)
+        self._profiler.start()
+        self._started = time.perf_counter()
+
+    def after_step(self, step: int) -> None:
+        if step != self.last_step or self._profiler is None:
+            return
+        window_s = time.perf_counter() - self._started     # the caller synchronised the device already
+        self._profiler.stop()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        raw = self.out_dir / "trace-rank0.json"
+        self._profiler.export_chrome_trace(str(raw))
+        with open(raw, "rb") as source, gzip.open(self.out_dir / TRACE_NAME, "wb", compresslevel=5) as target:
+            while chunk := source.read(1 << 20):
+                target.write(chunk)
+        raw.unlink()
+        averages = self._profiler.key_averages()
+        tables = ["# host: self CPU time", averages.table(sort_by="self_cpu_time_total", row_limit=40)]
+        if self.cuda:
+            tables += ["# device: self device time", averages.table(sort_by="self_device_time_total", row_limit=40)]
+        (self.out_dir / "ops.txt").write_text("\n\n".join(tables) + "\n")
+        steps = self.last_step - self.first_step + 1
+        self.summary = {"first_step": self.first_step, "last_step": self.last_step, "steps": steps,
+                        **summarize_trace(self.out_dir / TRACE_NAME, window_s)}
+        (self.out_dir / "summary.json").write_text(json.dumps(self.summary, indent=1) + "\n")
+        self._profiler = None
+        self.say(describe(self.summary, steps) + f" -> {self.out_dir}")

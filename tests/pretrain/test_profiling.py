@@ -1,0 +1,79 @@
+"""pretrain.profiling: what a torch.profiler Chrome trace says about device busy time and host waits.
+
+The trainer's use of it (--profile-steps on a real run) is tested in test_trainer.py (the stop3 launch)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import torch
+
+from pretrain.profiling import describe, kernel_family, summarize_trace, union_seconds
+
+
+def kernel(name, ts, dur, stream=7):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"device": 0, "stream": stream}}
+
+
+def host(cat, name, ts, dur):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def test_union_of_intervals():
+    assert union_seconds([]) == 0
+    assert union_seconds([(0, 10), (5, 20), (30, 40)]) == pytest.approx(30e-6)
+    assert union_seconds([(30, 40), (0, 100)]) == pytest.approx(100e-6)
+
+
+def test_kernel_families():
+    assert kernel_family("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert kernel_family("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT") == "gemm"
+    assert kernel_family("fmha_cutlassB_bf16_aligned_64x64_k64_sm80") == "attention"
+    assert kernel_family("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL") == "nccl"
+    assert kernel_family("triton_per_fused_add_mul_rsqrt_0") == "triton"
+    assert kernel_family("multi_tensor_apply_kernel<AdamFunctor>") == "optimizer"
+    assert kernel_family("void at::native::vectorized_elementwise_kernel") == "other"
+
+
+def test_summary_of_a_synthetic_two_stream_trace(tmp_path):
+    # a 1000 us window: compute stream busy 0-300 and 500-700, NCCL on another stream 250-450 (overlapping 50 us);
+    # the host waits 200 us in a stream sync and 100 us in an event sync; trainer phases as record_function ranges
+    events = [host("user_annotation", "pretrain.forward", 0, 400), host("user_annotation", "pretrain.backward", 400, 500),
+              host("user_annotation", "pretrain.step", 900, 100), host("user_annotation", "other.range", 0, 5),
+              kernel("nvjet_gemm", 0, 300), kernel("fmha_cutlassB", 500, 200),
+              kernel("ncclDevKernel_AllGather", 250, 200, stream=20),
+              host("cuda_runtime", "cudaStreamSynchronize", 600, 200), host("cuda_runtime", "cudaEventSynchronize", 850, 100),
+              host("cuda_runtime", "cudaStreamWaitEvent", 10, 1), host("cuda_runtime", "cudaLaunchKernel", 0, 5),
+              {"ph": "M", "name": "process_name"}]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as handle:
+        json.dump({"traceEvents": events}, handle)
+    summary = summarize_trace(path, window_s=1000e-6)
+    assert summary["device_events"] == 3
+    assert summary["device_busy_s"] == pytest.approx(650e-6)          # 0-450 and 500-700
+    assert summary["device_busy_share"] == pytest.approx(0.65)
+    assert summary["streams"]["device 0 stream 7"]["busy_s"] == pytest.approx(500e-6)
+    assert summary["streams"]["device 0 stream 20"]["kernels"] == 1
+    assert summary["families"]["gemm"]["seconds"] == pytest.approx(300e-6)
+    assert summary["families"]["nccl"]["share_of_kernel_time"] == pytest.approx(200 / 700, abs=1e-4)
+    assert summary["host_sync_s"] == pytest.approx(300e-6)            # cudaStreamWaitEvent does not block
+    assert summary["sync_calls"]["cudaStreamWaitEvent"]["calls"] == 1
+    assert summary["host_phases"]["backward"] == {"calls": 1, "seconds": pytest.approx(500e-6), "share": 0.5}
+    assert set(summary["host_phases"]) == {"forward", "backward", "step"}
+    assert summary["top_kernels"][0]["name"] == "nvjet_gemm"
+    line = describe(summary, steps=1)
+    assert "device busy 65.0%" in line and "backward 50%" in line and "syncs 30.0%" in line
+
+
+def test_a_real_cpu_trace(tmp_path):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.record_function("pretrain.forward"):
+            torch.randn(64, 64) @ torch.randn(64, 64)
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    summary = summarize_trace(path)
+    assert summary["device_events"] == 0 and summary["window_s"] > 0
+    assert summary["host_phases"]["forward"]["calls"] == 1
+    assert "no device kernels" in describe(summary, steps=1)
