@@ -1,4 +1,4 @@
-# Sourced by the GPU-machine scripts (gpu_study.sh, gpu_zero3_ab.sh) from the repository root, with NAME set to the
+# Sourced by the GPU-machine scripts (gpu_study.sh, gpu_ab.sh) from the repository root, with NAME set to the
 # caller's name: the environment a lent H200 machine needs, and DeepSpeed + its requirements from the carried .whl/
 # (made here by scripts/gpu_wheels.sh) when python3 cannot import deepspeed yet.
 # NVLink multicast stays off on shared hosts. The image sets TORCH_CUDA_ARCH_LIST=9.0a, which DeepSpeed 0.19's op
