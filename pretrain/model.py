@@ -7,8 +7,9 @@ RMSNorm without bias (statistics in fp32), gated-GELU feed-forward (tanh approxi
 blocks, relative position buckets whose bias is computed once per stack and shared by its layers, no
 scaling of attention scores (T5 folds 1/sqrt(d_kv) into the init), an untied LM head without rescaling,
 and no dropout by default. Attention runs through `scaled_dot_product_attention` with the position bias as
-the additive mask (scale=1.0). The loss never materialises the full fp32 logits: it walks the target
-tokens in chunks and computes logits, cross-entropy and their gradients chunk by chunk.
+the additive mask (scale=1.0); with `attention="flex"` (opt-in) the self-attentions run FlexAttention instead,
+which adds the bias inside its kernel (`flex_self_attention`). The loss never materialises the full fp32
+logits: it walks the target tokens in chunks and computes logits, cross-entropy and their gradients chunk by chunk.
 
 Weights are stored fused where that saves kernel launches (q|k|v, k|v of cross-attention, wi_0|wi_1);
 `pretrain/hf.py` maps them to and from HF's names. This module must not import `transformers`.
@@ -17,19 +18,23 @@ Weights are stored fused where that saves kernel launches (q|k|v, k|v of cross-a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 import yaml
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from pipeline.common import CONFIGS_DIR, UserError
 
 MODELS_DIR = CONFIGS_DIR / "models"
+ATTENTION_KINDS = ("sdpa", "flex")   # T5Config.attention: how the self-attentions add the position bias
 
 
 @dataclass
@@ -54,6 +59,7 @@ class T5Config:
     activation_checkpointing: bool = False
     name: str = ""
     loss_chunk_tokens: int = 4096  # target tokens per chunk of the LM-head loss (bounds logits memory)
+    attention: str = "sdpa"        # self-attention kernel: "sdpa" (bias as additive mask) or "flex" (see Stack)
 
     def __post_init__(self):
         positive = ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
@@ -71,6 +77,12 @@ class T5Config:
             if not 0 <= getattr(self, field) < self.vocab_size:
                 raise UserError(f"model config {self.name or '?'}: {field}={getattr(self, field)} is outside "
                                 f"the vocabulary [0, {self.vocab_size})")
+        if self.attention not in ATTENTION_KINDS:
+            raise UserError(f"model config {self.name or '?'}: attention must be one of {ATTENTION_KINDS}, "
+                            f"got {self.attention!r}")
+        if self.attention == "flex" and self.dropout_rate > 0:
+            raise UserError(f"model config {self.name or '?'}: attention='flex' has no dropout of attention "
+                            f"probabilities; use attention='sdpa' with dropout_rate={self.dropout_rate}")
 
     @property
     def inner_dim(self) -> int:
@@ -166,8 +178,56 @@ class RelativePositionBias(nn.Module):
         return F.embedding(buckets, self.weight).permute(2, 0, 1).unsqueeze(0).contiguous()
 
 
+class FlexBias(NamedTuple):
+    """What a self-attention adds to its scores under `attention="flex"`, in the form FlexAttention reads inside
+    its kernel, so that no [batch, heads, L, L] bias (nor, in backward, its gradient) is ever materialised."""
+
+    position: torch.Tensor            # [heads, L, L] fp32 position bias (batch-independent; requires grad)
+    padding: torch.Tensor | None      # [batch, L] additive key padding bias (0 or large negative); None: none
+    block_mask: BlockMask | None      # the decoder's causal mask (masked blocks are skipped); None: all keys
+
+
+def causal_mask_mod(batch, head, q_idx, kv_idx):
+    """FlexAttention mask_mod of the decoder's self-attention: a query sees itself and the keys before it."""
+    return q_idx >= kv_idx
+
+
+EAGER_FLEX_DEVICES = {"cpu"}   # device types where an uncompiled model calls flex_attention as is (flex_self_attention)
+
+
+@functools.cache
+def compiled_flex_attention():
+    """torch.compile(flex_attention), made on first use (making it imports Dynamo, ~2 s)."""
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_self_attention(q, k, v, bias: FlexBias) -> torch.Tensor:
+    """softmax(q k^T + position bias [+ padding bias], masked) v by FlexAttention, scale 1 as T5. The score_mod
+    reads bias.position [h, q, kv] (and bias.padding [b, kv]); FlexAttention's backward accumulates the gradient of
+    that captured fp32 tensor inside the kernel (atomic adds over the batch), and autograd carries it on to the
+    bucket table.
+
+    FlexAttention is fused only when compiled. Inside compile_regions' graphs it is; an uncompiled model calls it
+    through `compiled_flex_attention` (off the CPU), so it still gets the fused kernels rather than PyTorch's dense
+    reference, which materialises [batch, heads, L, L] scores and (a PyTorch bug, seen in 2.13) returns a wrong
+    gradient for a captured bias under non-reentrant activation checkpointing. On CPU (EAGER_FLEX_DEVICES) the op
+    runs as called: Inductor has no CPU backward for it (PyTorch refuses FlexAttention's backward on CPU).
+
+    bias.position must not be a view: AOTAutograd (torch 2.13, any compiled path) silently drops the gradient of
+    a view captured by a score_mod (`Stack.flex_self_attention_bias` makes a fresh tensor)."""
+    position, padding = bias.position, bias.padding
+
+    def score_mod(score, batch, head, q_idx, kv_idx):
+        score = score + position[head, q_idx, kv_idx]
+        return score if padding is None else score + padding[batch, kv_idx]
+    compile_here = not torch.compiler.is_compiling() and q.device.type not in EAGER_FLEX_DEVICES
+    attend = compiled_flex_attention() if compile_here else flex_attention
+    return attend(q, k, v, score_mod=score_mod, block_mask=bias.block_mask, scale=1.0)
+
+
 class Attention(nn.Module):
-    """Multi-head attention without score scaling; q|k|v fused for self-attention, k|v for cross-attention."""
+    """Multi-head attention without score scaling; q|k|v fused for self-attention, k|v for cross-attention.
+    `bias` is the additive mask of SDPA (a tensor or None), or a `FlexBias`: then FlexAttention runs instead."""
 
     def __init__(self, config: T5Config, cross: bool):
         super().__init__()
@@ -185,14 +245,17 @@ class Attention(nn.Module):
         batch, length, _ = x.shape   # [B, L, parts*H*D] -> [parts, B, H, L, D]
         return x.view(batch, length, parts, self.num_heads, self.d_kv).permute(2, 0, 3, 1, 4)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None, memory: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | FlexBias | None, memory: torch.Tensor | None = None):
         if self.cross:
             q = self._heads(self.q(x), 1)[0]
             k, v = self._heads(self.kv(memory), 2).unbind(0)
         else:
             q, k, v = self._heads(self.qkv(x), 3).unbind(0)
-        dropout = self.dropout_rate if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout, scale=1.0)
+        if isinstance(bias, FlexBias):   # T5Config rejects dropout with flex
+            out = flex_self_attention(q, k, v, bias)
+        else:
+            dropout = self.dropout_rate if self.training else 0.0
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout, scale=1.0)
         batch, _, length, _ = out.shape
         return self.o(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.d_kv))
 
@@ -236,7 +299,13 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    """Encoder (bidirectional buckets) or decoder (causal, with cross-attention): blocks + final norm."""
+    """Encoder (bidirectional buckets) or decoder (causal, with cross-attention): blocks + final norm.
+
+    The self-attention bias is made once per forward and shared by the blocks: with `attention="sdpa"` a
+    [1 or batch, heads, L, L] additive mask (the decoder's causal mask folded in as -inf, the padding bias added);
+    with `attention="flex"` a `FlexBias`: the [heads, L, L] fp32 position bias, the padding bias [batch, L] (added
+    in the score_mod, the same large negative as with SDPA; pretraining passes none) and, in the decoder, a
+    causal BlockMask. Cross-attention runs SDPA in both cases (no position bias; its mask is the padding bias)."""
 
     def __init__(self, config: T5Config, is_decoder: bool):
         super().__init__()
@@ -256,10 +325,21 @@ class Stack(nn.Module):
             bias = bias.masked_fill(~causal, float("-inf"))
         return bias
 
+    def flex_self_attention_bias(self, length: int, padding_bias: torch.Tensor | None) -> FlexBias:
+        """This stack's self-attention bias for `flex_self_attention` (see the class docstring)."""
+        position = self.relative_attention_bias(length, length)[0].to(torch.float32, copy=True)  # not a view
+        padding = None if padding_bias is None else padding_bias[:, 0, 0, :]
+        block_mask = (create_block_mask(causal_mask_mod, None, None, length, length, device=position.device)
+                      if self.is_decoder else None)
+        return FlexBias(position, padding, block_mask)
+
     def forward(self, x, padding_bias=None, memory=None, memory_bias=None):
-        bias = self.self_attention_bias(x.shape[1], x.dtype)
-        if padding_bias is not None:
-            bias = bias + padding_bias
+        if self.config.attention == "flex":
+            bias = self.flex_self_attention_bias(x.shape[1], padding_bias)
+        else:
+            bias = self.self_attention_bias(x.shape[1], x.dtype)
+            if padding_bias is not None:
+                bias = bias + padding_bias
         x = F.dropout(x, self.config.dropout_rate, self.training)
         for block in self.blocks:
             if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
@@ -384,17 +464,18 @@ class T5Model(nn.Module):
             hidden = hidden * self.config.d_model ** -0.5
         return self.lm_head(hidden, labels)
 
-    def compile_regions(self) -> "T5Model":
+    def compile_regions(self, backend: str = "inductor") -> "T5Model":
         """torch.compile each block's forward (one static graph per stack kind, shared by its blocks) and the loss
-        chunk; compiles in seconds where compiling the whole model takes minutes. Returns self.
+        chunk; compiles in seconds where compiling the whole model takes minutes. Returns self. (`backend`: tests
+        run the compiled graphs' autograd on CPU with "aot_eager", where Inductor has no FlexAttention backward.)
 
         The forward is compiled, not the module call: module hooks stay outside the graphs. ZeRO 3 gathers a block's
         parameters in such hooks (a block is its unit of gathering, see `build_partitioned`), so the compiled
         forward runs on whole weights and the same graphs serve every stage."""
         for stack in (self.encoder, self.decoder):
             for block in stack.blocks:
-                block.forward = torch.compile(block.forward, dynamic=False)
-        self.lm_head.chunk_fn = torch.compile(cross_entropy_chunk, dynamic=False)
+                block.forward = torch.compile(block.forward, backend=backend, dynamic=False)
+        self.lm_head.chunk_fn = torch.compile(cross_entropy_chunk, backend=backend, dynamic=False)
         return self
 
     def init_plan(self):
