@@ -9,12 +9,16 @@ Reported per variant: ms/step, tokens/s (input + target tokens), TFLOP/s from th
 (pretrain.flops.train_step_flops), MFU against a bf16 matmul ceiling (8192^3) measured in the same run,
 peak memory, and speed-up against HF in the same run. The table is printed last; results.json and
 results.md go to --out. `--device cpu --models t5-tiny` is a smoke test.
+
+Variants: hf, hf-compile (transformers, eager / whole-model torch.compile); ours, ours-compile (eager /
+`compile_regions`); ours-compile-flex (`compile_regions` with `attention="flex"`: the self-attentions by
+FlexAttention, the position bias added inside the kernel; CUDA only, PyTorch has no FlexAttention backward on CPU).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import dataclasses
 import json
 import os
 import sys
@@ -27,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pretrain.flops import count_parameters, train_step_flops  # noqa: E402
 from pretrain.hf import to_hf  # noqa: E402
-from pretrain.model import build  # noqa: E402
+from pretrain.model import T5Model, build  # noqa: E402
+
+VARIANTS = ("hf", "hf-compile", "ours", "ours-compile", "ours-compile-flex")
 
 
 def sync(device: str) -> None:
@@ -66,9 +72,10 @@ def profile(step, args, name: str) -> None:
     print("\n".join(table.splitlines()[:18]), flush=True)
 
 
-def sdpa_backends(model, args) -> dict:
+def sdpa_backends(model, args, attention: str = "sdpa") -> dict:
     """The fused SDPA kernel PyTorch picks for each attention of `model` (bf16, the benchmark's shapes and the
-    model's own position biases, with gradients): encoder self, decoder self (causal bias), cross (no mask)."""
+    model's own position biases, with gradients): encoder self, decoder self (causal bias), cross (no mask).
+    attention="flex": the self-attentions are FlexAttention's (compiled Triton), only cross-attention is SDPA's."""
     from torch.nn.attention import SDPBackend
     names = {int(getattr(SDPBackend, n)): n.lower() for n in dir(SDPBackend) if n.isupper()}
     config, dtype, device = model.config, torch.bfloat16, args.device
@@ -83,8 +90,14 @@ def sdpa_backends(model, args) -> dict:
     cases = {"encoder-self": (*projected(args.input_length, 3), encoder_bias),
              "decoder-self": (*projected(args.target_length, 3), decoder_bias),
              "cross": (projected(args.target_length, 1)[0], *projected(args.input_length, 2), None)}
-    return {name: names.get(int(torch._fused_sdp_choice(q, k, v, bias, 0.0, False, scale=1.0)), "?")
+    return {name: "flex_attention" if attention == "flex" and name.endswith("-self") else
+            names.get(int(torch._fused_sdp_choice(q, k, v, bias, 0.0, False, scale=1.0)), "?")
             for name, (q, k, v, bias) in cases.items()}
+
+
+def attention_of(variant: str) -> str:
+    """T5Config.attention of one of our variants."""
+    return "flex" if variant.endswith("-flex") else "sdpa"
 
 
 def make_step(variant: str, model, batch):
@@ -109,13 +122,15 @@ def make_step(variant: str, model, batch):
 
 
 def prepare(variant: str, ours_cpu, device: str):
-    """A bf16 copy of the model for `variant` on `device` (HF variants via to_hf: same weights)."""
+    """A bf16 copy of the model for `variant` on `device`, with ours_cpu's weights (HF variants via to_hf)."""
     if variant.startswith("hf"):
         model = to_hf(ours_cpu)
     else:
-        model = copy.deepcopy(ours_cpu)
+        with torch.device(device):
+            model = T5Model(dataclasses.replace(ours_cpu.config, attention=attention_of(variant)))
+        model.load_state_dict(ours_cpu.state_dict())
     model = model.to(device=device, dtype=torch.bfloat16).train()
-    if variant.endswith("compile"):
+    if "-compile" in variant:
         if variant.startswith("hf"):
             model = torch.compile(model, dynamic=False)
         else:  # regional compilation: every block shares one compiled graph per stack type, + the loss chunk
@@ -158,8 +173,8 @@ def bench_variant(variant, ours_cpu, batch, args, flops_per_step, ceiling):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["mt5-base", "mt5-large"])
-    parser.add_argument("--variants", nargs="+", default=["hf", "ours", "ours-compile"],
-                        help="hf, hf-compile, ours, ours-compile")
+    parser.add_argument("--variants", nargs="+", default=["hf", "ours", "ours-compile"], choices=VARIANTS,
+                        metavar="VARIANT", help=f"any of {', '.join(VARIANTS)} (see above)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--input-length", type=int, default=512)
     parser.add_argument("--target-length", type=int, default=114)
@@ -196,6 +211,8 @@ def main() -> int:
         flops = train_step_flops(config, args.batch, args.input_length, args.target_length)
         if args.device == "cuda":
             print(f"{preset}: SDPA kernels {sdpa_backends(ours_cpu, args)}", flush=True)
+            if any(attention_of(variant) == "flex" for variant in args.variants):
+                print(f"{preset}: *-flex kernels {sdpa_backends(ours_cpu, args, 'flex')}", flush=True)
         print(f"{preset}: {count_parameters(config) / 1e6:.0f}M parameters, {flops / 1e12:.1f} TFLOP per step "
               f"(batch {args.batch}, lengths {args.input_length}/{args.target_length})", flush=True)
         for variant in args.variants:
