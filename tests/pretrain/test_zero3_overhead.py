@@ -2,9 +2,9 @@
 
     .venv/bin/python -m pytest tests/pretrain/test_zero3_overhead.py -q
 
-DeepSpeed's zero.Init replaces torch.nn.functional.linear for the whole process with its own autograd Function
-(zero3_linear_wrap, `memory_efficient_linear`), and ZeRO 3 runs its fetch/release hooks around each Block (a z3
-leaf module). `T5Model.compile_regions` compiles each block's forward inside those hooks; this checks that Dynamo
+ZeRO 3 runs its fetch/release hooks around each Block (a z3 leaf module); with configs/deepspeed/zero3.yaml's
+`memory_efficient_linear: false` DeepSpeed leaves torch.nn.functional.linear alone (otherwise zero.Init swaps in its
+own autograd Function, zero3_linear_wrap, for the whole process, which cost ZeRO 3 a quarter of its speed on H200s). `T5Model.compile_regions` compiles each block's forward inside those hooks; this checks that Dynamo
 still traces one graph per stack kind plus the loss chunk, with no graph break, under ZeRO 3. ~20 s on 2 CPU cores.
 """
 
@@ -22,7 +22,7 @@ def test_compiled_blocks_stay_one_graph_each_under_zero3(zero3_overhead, tmp_pat
     result = zero3_overhead.run_overhead("t5-tiny", zero=3, compile=True, steps=2, skip=1, micro_batch=2,
                                          input_length=32, target_length=8, workdir=tmp_path, timeout=240)
     run = result["run"]
-    assert run["linear"].endswith("zero3_linear_wrap")          # DeepSpeed's F.linear is in the traced graphs
+    assert "zero3_linear_wrap" not in run["linear"], run["linear"]    # torch's F.linear is in the traced graphs
     counters = run["dynamo_counters"]
     assert "graph_break" not in counters, counters.get("graph_break")
     assert counters["stats"]["unique_graphs"] == 3, counters     # encoder block, decoder block, loss chunk
