@@ -54,7 +54,6 @@ class TrainConfig:
     precision: str = "auto"              # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     activation_checkpointing: bool = False
     compile: bool = False                # torch.compile each block's forward and the loss chunk
-    deepcompile: bool = False            # DeepSpeed's DeepCompile instead (whole model, ZeRO 1-3, CUDA only; a trial)
     loader_workers: int = 0              # torch DataLoader worker processes per rank
     prefetch_factor: int = 2
     save_every: int = 0                  # checkpoint every N steps (0: only at the end / at --stop-after)
@@ -96,8 +95,6 @@ class TrainConfig:
              "--offload nvme needs --nvme-path DIR (a directory on a fast local NVMe drive)")
         need(self.stage3_gather_unit in GATHER_UNITS,
              f"--stage3-gather-unit must be one of {GATHER_UNITS}, got {self.stage3_gather_unit!r}")
-        need(not self.deepcompile or self.zero >= 1,
-             "--deepcompile needs ZeRO stage 1, 2 or 3 (DeepSpeed compiles no stage-0 engine); use --compile at stage 0")
         need(self.schedule in SCHEDULES, f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         need(self.precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         for name in ("steps", "micro_batch", "nproc", "log_every", "prefetch_factor"):
@@ -181,9 +178,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--activation-checkpointing", action="store_true", help="recompute activations in backward")
     add("--compile", action="store_true",
         help="torch.compile each block's forward and the loss chunk (every stage; ~10-30 s on the first step)")
-    add("--deepcompile", action="store_true",
-        help="compile the whole model with DeepSpeed's DeepCompile (ZeRO 1-3, CUDA GPUs only; replaces --compile: "
-             "the ZeRO hooks become ops inside the graph, a trial against --compile's per-block graphs)")
     add("--loader-workers", type=int, help="DataLoader workers per rank (default 0)")
     add("--prefetch-factor", type=int, help="batches prefetched per loader worker (default 2)")
     add("--save-every", type=int, help="checkpoint every N steps (default 0: only at the end)")

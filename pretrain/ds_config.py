@@ -81,11 +81,6 @@ def build_ds_config(config, *, world_size: int, grad_accum: int, accelerator: st
                 zero_section[name] = int(value)
     elif any(getattr(config, name) is not None for name in STAGE3_TUNABLES):
         raise UserError("the --stage3-* tunables apply to --zero 3 only; drop them or use --zero 3")
-    if config.deepcompile:
-        if accelerator == "cpu":
-            raise UserError("--deepcompile needs CUDA GPUs (DeepSpeed builds its DeepCompile op for CUDA only); "
-                            "use --compile on this machine")
-        ds["compile"] = {"deepcompile": True}
     if config.deepspeed:
         ds = deep_merge(ds, config.deepspeed)
     return ds

@@ -252,9 +252,6 @@ def run_preflight(config, *, world_size: int, local_world_size: int, announce: b
         raise UserError(f"{where}: {len(dataset)} examples, fewer than one global batch of {global_batch}; "
                         f"use a smaller --global-batch or a larger shard set")
     device = device_memory(local_world_size)
-    if config.deepcompile and device["kind"] != "cuda":
-        raise UserError("--deepcompile needs CUDA GPUs (DeepSpeed builds its DeepCompile op for CUDA only); "
-                        "use --compile on this machine")
     precision = config.precision if config.precision != "auto" else ("bf16" if device["kind"] == "cuda" else "fp32")
     estimate = estimate_memory(model_config, zero=config.zero, offload=config.offload, precision=precision,
                                world_size=world_size, local_world_size=local_world_size,

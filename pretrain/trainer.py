@@ -177,7 +177,7 @@ class Trainer:
         self.timeline.mark("model_built")
         if config.zero < 3:      # built on the host: wait for the devices only now
             self._wait_for_start_gate()
-        if config.compile and not config.deepcompile:
+        if config.compile:
             model.compile_regions()
         schedule = LRSchedule(config.schedule, config.warmup_steps, config.steps, config.min_lr_ratio)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -186,8 +186,6 @@ class Trainer:
             lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))
         self.engine_note = {"optimizer": type(self.optimizer).__name__,
                             "overflow_check_fused": fuse_overflow_check(self.optimizer)}
-        if config.deepcompile:    # DeepSpeed compiles the whole module, ZeRO's gathers and reductions as graph ops
-            self.engine.compile()
         self.timeline.mark("engine")
         dataset = ShardDataset(config.data, input_length=plan.input_length, target_length=plan.target_length,
                                cache_dir=config.cache_dir)

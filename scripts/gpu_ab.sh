@@ -1,27 +1,26 @@
 #!/usr/bin/env bash
-# A/Bs of `pretrain` settings on a 2-GPU machine, one table (issue 5: ZeRO 3 ran at 0.59x ZeRO 2 on 2 x H200,
-# ~0.25 s more per micro-step; ZeRO 0 at 39.1% MFU). One `pretrain` launch per variant, all mt5-large, bf16,
-# micro batch 64, global 128, 16 steps: the medians are steps 6-14 and the last PROFILE_STEPS steps (default 2) run
-# under torch.profiler (`--profile-steps`), so the table also says how busy the GPU was, how long the host sat in
-# device syncs and how the host's time split into forward / backward / DeepSpeed's step:
-#   ./scripts/gpu_ab.sh SHARDS [VARIANT ...]      (default: z2 z3 z3-stack z3-mel-off z0 z3-dc, about 8 minutes)
-# variants: z0 z1 z2 z3 (--compile at that stage), z3-stack (--stage3-gather-unit stack), z3-mel-off
-#   (zero_optimization.memory_efficient_linear false: keep torch's F.linear), z3-expandable
-#   (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), z2-dc / z3-dc (--deepcompile: DeepSpeed's DeepCompile
-#   instead of --compile). Variants start only while DEADLINE seconds (default 540) have not passed.
+# A/Bs of `pretrain` settings on a 2-GPU machine, one table. One `pretrain` launch per variant, all mt5-large, bf16,
+# --compile, micro batch 64, global 128, 16 steps: the medians are steps 6-14 and the last PROFILE_STEPS steps
+# (default 2) run under torch.profiler (`--profile-steps`), so the table also says how busy the GPU was, how long the
+# host sat in device syncs and how the host's time split into forward / backward / DeepSpeed's step:
+#   ./scripts/gpu_ab.sh SHARDS [VARIANT ...]      (default: z2 z3 z3-stack z3-mel-on z0, about 7 minutes)
+# variants: z0 z1 z2 z3 (that stage), z3-stack (--stage3-gather-unit stack), z3-mel-on
+#   (zero_optimization.memory_efficient_linear true: DeepSpeed's own F.linear, which zero3.yaml turns off),
+#   z3-expandable (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True). Variants start only while DEADLINE seconds
+#   (default 540) have not passed. Measured with it: docs/pretrain.md ("Where ZeRO 0 and ZeRO 3 lost time").
 # Here first: ./scripts/gpu_wheels.sh; carry .whl and the shard set (see scripts/gpu_study.sh). Results go to $OUT:
 # ab.md (the table), ab.log, profiles.tar (each variant's summary.json and profile/{summary.json,ops.txt}) and the
-# Chrome traces of the variants in TRACES (default "z0 z2 z3") as VARIANT-trace.json.gz. MODEL, MICRO_BATCH, GLOBAL_BATCH and PRECISION (--bf16 / --fp32) override the defaults,
-# e.g. for a CPU smoke run:
+# Chrome traces of the variants in TRACES (default "z0 z2 z3") as VARIANT-trace.json.gz. MODEL, MICRO_BATCH,
+# GLOBAL_BATCH and PRECISION (--bf16 / --fp32) override the defaults, e.g. for a CPU smoke run:
 #   PATH=.venv/bin:$PATH MODEL=t5-tiny MICRO_BATCH=4 GLOBAL_BATCH=16 PRECISION=--fp32 ./scripts/gpu_ab.sh SHARDS z2 z3
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DATA=${1:?shard set}; shift
-VARIANTS=${*:-z2 z3 z3-stack z3-mel-off z0 z3-dc}
+VARIANTS=${*:-z2 z3 z3-stack z3-mel-on z0}
 DEST=${OUT:-gpu-out}; WORK=${WORK:-/tmp/gpu-ab}; DEADLINE=${DEADLINE:-540}; TRACES=${TRACES:-z0 z2 z3}
 mkdir -p "$DEST" "$WORK"
 NAME=gpu_ab; source scripts/gpu_env.sh
-printf 'deepspeed:\n  zero_optimization:\n    memory_efficient_linear: false\n' > "$WORK/mel-off.yaml"
+printf 'deepspeed:\n  zero_optimization:\n    memory_efficient_linear: true\n' > "$WORK/mel-on.yaml"
 COMMON=(--model "${MODEL:-mt5-large}" --data "$DATA" --steps 16 --steady-skip 5 --micro-batch "${MICRO_BATCH:-64}"
         --global-batch "${GLOBAL_BATCH:-128}" --nproc 2 "${PRECISION:---bf16}" --lr 1e-4 --warmup-steps 2
         --loader-workers 1 --seed 0 --profile-steps "${PROFILE_STEPS:-2}")
@@ -30,11 +29,9 @@ for variant in $VARIANTS; do
   case $variant in
     z[0-3]) args=(--zero "${variant#z}" --compile) ;;
     z3-stack) args=(--zero 3 --compile --stage3-gather-unit stack) ;;
-    z3-mel-off) args=(--zero 3 --compile --config "$WORK/mel-off.yaml") ;;
+    z3-mel-on) args=(--zero 3 --compile --config "$WORK/mel-on.yaml") ;;
     z3-expandable) args=(--zero 3 --compile); envs=(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) ;;
-    z[123]-dc) args=(--zero "${variant:1:1}" --deepcompile) ;;
-    *) echo "gpu_ab: unknown variant $variant (z0-z3, z3-stack, z3-mel-off, z3-expandable, z1-dc/z2-dc/z3-dc)" >&2
-       exit 2 ;;
+    *) echo "gpu_ab: unknown variant $variant (z0-z3, z3-stack, z3-mel-on, z3-expandable)" >&2; exit 2 ;;
   esac
   left=$((DEADLINE - SECONDS))
   if ((left < 60)); then echo "== $variant: skipped, ${left}s left of DEADLINE=$DEADLINE" | tee -a "$DEST/ab.log"; continue; fi

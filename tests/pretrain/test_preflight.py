@@ -152,9 +152,3 @@ def test_run_dir_and_batch_checks(tiny_shards, tmp_path, capsys):
         run_preflight(config_for(tiny_shards, tmp_path / "odd", "--global-batch", "12"), world_size=2,
                       local_world_size=2, announce=False)
 
-
-def test_deepcompile_is_refused_where_deepspeed_cannot_build_it(tiny_shards, tmp_path, capsys):
-    err = refused(capsys, tiny_shards, tmp_path / "a", "--deepcompile", "--zero", "3")   # this machine: no GPU
-    assert "--deepcompile needs CUDA GPUs" in err and "--compile" in err
-    err = refused(capsys, tiny_shards, tmp_path / "b", "--deepcompile", "--zero", "0")
-    assert "--deepcompile needs ZeRO stage 1, 2 or 3" in err
