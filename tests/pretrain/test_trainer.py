@@ -295,6 +295,9 @@ def test_export_hf_gathers_zero3_partitions(runs):
     zero0 = T5ForConditionalGeneration.from_pretrained(runs.dir("stop0") / "hf").state_dict()
     zero3 = T5ForConditionalGeneration.from_pretrained(runs.dir("stop3") / "hf").state_dict()
     assert zero0.keys() == zero3.keys() and len(zero0) > 10
+    # The same training at two stages: equal up to summation order. Adam turns a last-bit difference in a
+    # near-zero gradient into up to one step of lr 3e-3, so allow a third of that; an export that missed a
+    # partition would be off by the weights' own size (t5-tiny's init std is 0.03 or more).
     for name, tensor in zero0.items():
         assert tensor.shape == zero3[name].shape, name
-        assert float((tensor - zero3[name]).abs().max()) < 1e-4, name
+        assert float((tensor - zero3[name]).abs().max()) < 1e-3, name
