@@ -28,6 +28,8 @@ from typing import Any, Iterable
 
 import torch
 
+from pipeline.common import atomic_write_bytes, atomic_write_json
+
 TRACE_NAME = "trace-rank0.json.gz"
 PHASE_PREFIX = "pretrain."      # the trainer's record_function ranges: pretrain.{data,forward,backward,step}
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
@@ -180,20 +182,21 @@ class StepProfiler:
         window_s = time.perf_counter() - self._started     # the caller synchronised the device already
         self._profiler.stop()
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        raw = self.out_dir / "trace-rank0.json"
+        raw, packed = self.out_dir / "trace-rank0.json.partial", self.out_dir / (TRACE_NAME + ".partial")
         self._profiler.export_chrome_trace(str(raw))
-        with open(raw, "rb") as source, gzip.open(self.out_dir / TRACE_NAME, "wb", compresslevel=5) as target:
+        with open(raw, "rb") as source, gzip.open(packed, "wb", compresslevel=5) as target:
             while chunk := source.read(1 << 20):
                 target.write(chunk)
         raw.unlink()
+        packed.replace(self.out_dir / TRACE_NAME)
         averages = self._profiler.key_averages()
         tables = ["# host: self CPU time", averages.table(sort_by="self_cpu_time_total", row_limit=40)]
         if self.cuda:
             tables += ["# device: self device time", averages.table(sort_by="self_device_time_total", row_limit=40)]
-        (self.out_dir / "ops.txt").write_text("\n\n".join(tables) + "\n")
+        atomic_write_bytes(self.out_dir / "ops.txt", ("\n\n".join(tables) + "\n").encode())
         steps = self.last_step - self.first_step + 1
         self.summary = {"first_step": self.first_step, "last_step": self.last_step, "steps": steps,
                         **summarize_trace(self.out_dir / TRACE_NAME, window_s)}
-        (self.out_dir / "summary.json").write_text(json.dumps(self.summary, indent=1) + "\n")
+        atomic_write_json(self.out_dir / "summary.json", self.summary)   # written last
         self._profiler = None
         self.say(describe(self.summary, steps) + f" -> {self.out_dir}")
