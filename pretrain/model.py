@@ -572,7 +572,8 @@ def build_partitioned(preset_or_config: str | T5Config, ds_config: dict, seed: i
     (scripts/zero3_trace.py shows both; see docs/pretrain.md). Weights, math and partitioning are unchanged; a
     block (at most 1/50 of a model) is only the unit of gathering. `gather_unit="stack"` makes each whole encoder
     or decoder stack the unit instead (fewer hooks still, but half of the blocks' weights whole at once: 0.8 GB
-    bf16 for mt5-large, 11 GB for mt5-xxl); a trial setting, measured only on CPU so far (docs/pretrain.md)."""
+    bf16 for mt5-large, 11 GB for mt5-xxl); a trial setting: on 2 H200s it beat blocks only while ZeRO 3 still used
+    DeepSpeed's linear (0.73x against 0.67x ZeRO 2; docs/study/h200x2-pretrain/README.md)."""
     if gather_unit not in GATHER_UNITS:
         raise UserError(f"ZeRO-3 gather unit must be one of {tuple(GATHER_UNITS)}, got {gather_unit!r}")
     import deepspeed

@@ -11,9 +11,9 @@ and summary.json: for the profiled window, how busy each GPU stream was (union o
 busy the GPU was at all, the share of each kernel family (GEMM, attention, NCCL collective, Triton / elementwise,
 copies), and how long the host thread sat in device synchronisations (cudaStreamSynchronize,
 cudaEventSynchronize, cudaDeviceSynchronize, synchronous copies) and in each of the trainer's phases (data,
-forward, backward, DeepSpeed's step: host wall time, which runs ahead of the device unless it syncs). A GPU idle for a large share of the window
-while the host is not waiting on it means the host is the bottleneck (Python, launches); a long host wait
-beside an idle GPU means a synchronisation stalls the pipeline.
+forward, backward, DeepSpeed's step: host wall time, which runs ahead of the device unless it syncs). A GPU idle
+for a large share of the window while the host is not waiting on it means the host is the bottleneck (Python,
+launches); a long host wait beside an idle GPU means a synchronisation stalls the pipeline.
 """
 
 from __future__ import annotations
@@ -32,9 +32,8 @@ from pipeline.common import atomic_write_bytes, atomic_write_json
 
 TRACE_NAME = "trace-rank0.json.gz"
 PHASE_PREFIX = "pretrain."      # the trainer's record_function ranges: pretrain.{data,forward,backward,step}
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
-              "cudaStreamWaitEvent")
-BLOCKING_SYNC_CALLS = SYNC_CALLS[:4]      # cudaStreamWaitEvent only enqueues a dependency
+BLOCKING_SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
+SYNC_CALLS = BLOCKING_SYNC_CALLS + ("cudaStreamWaitEvent",)   # counted too; it only enqueues a dependency
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 FAMILIES = (   # first match wins, on the lower-cased kernel name
     ("nccl", ("nccl",)),
@@ -69,6 +68,16 @@ def union_seconds(intervals: Iterable[tuple[float, float]]) -> float:
     return total / 1e6
 
 
+def tally(items: Iterable[tuple[str, float]]) -> dict[str, list]:
+    """{name: [calls, seconds]} of (name, duration in microseconds) pairs, in order of first appearance."""
+    totals: dict[str, list] = {}
+    for name, micros in items:
+        entry = totals.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += float(micros) / 1e6
+    return totals
+
+
 def load_trace(path: str | os.PathLike) -> list[dict[str, Any]]:
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
@@ -90,7 +99,6 @@ def summarize_trace(path: str | os.PathLike, window_s: float | None = None, top:
     device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES]
     by_stream: dict[str, list[tuple[float, float]]] = defaultdict(list)
     by_family: dict[str, float] = defaultdict(float)
-    by_kernel: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for event in device:
         start, duration = float(event["ts"]), float(event["dur"])
         args = event.get("args") or {}
@@ -98,22 +106,13 @@ def summarize_trace(path: str | os.PathLike, window_s: float | None = None, top:
         by_stream[stream].append((start, start + duration))
         family = "copy" if event.get("cat") != "kernel" else kernel_family(event.get("name", ""))
         by_family[family] += duration / 1e6
-        entry = by_kernel[event.get("name", "?")[:120]]
-        entry[0] += 1
-        entry[1] += duration / 1e6
+    by_kernel = tally((event.get("name", "?")[:120], event["dur"]) for event in device)
     busy = union_seconds(interval for intervals in by_stream.values() for interval in intervals)
-    syncs: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for event in events:
-        if event.get("cat") == "cuda_runtime" and event.get("name") in SYNC_CALLS:
-            entry = syncs[event["name"]]
-            entry[0] += 1
-            entry[1] += float(event["dur"]) / 1e6
-    phases: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])   # the trainer's record_function ranges
-    for event in events:
-        if event.get("cat") == "user_annotation" and str(event.get("name", "")).startswith(PHASE_PREFIX):
-            entry = phases[event["name"][len(PHASE_PREFIX):]]
-            entry[0] += 1
-            entry[1] += float(event["dur"]) / 1e6
+    stream_busy = {stream: union_seconds(intervals) for stream, intervals in by_stream.items()}
+    syncs = tally((event["name"], event["dur"]) for event in events
+                  if event.get("cat") == "cuda_runtime" and event.get("name") in SYNC_CALLS)
+    phases = tally((event["name"][len(PHASE_PREFIX):], event["dur"]) for event in events   # record_function ranges
+                   if event.get("cat") == "user_annotation" and str(event.get("name", "")).startswith(PHASE_PREFIX))
     kernel_total = sum(by_family.values())
     host_sync_s = sum(seconds for name, (_, seconds) in syncs.items() if name in BLOCKING_SYNC_CALLS)
     return {
@@ -121,8 +120,8 @@ def summarize_trace(path: str | os.PathLike, window_s: float | None = None, top:
         "device_events": len(device),
         "device_busy_s": round(busy, 6),
         "device_busy_share": round(busy / window, 4) if window and device else None,
-        "streams": {stream: {"kernels": len(intervals), "busy_s": round(union_seconds(intervals), 6),
-                             "busy_share": round(union_seconds(intervals) / window, 4) if window else None}
+        "streams": {stream: {"kernels": len(intervals), "busy_s": round(stream_busy[stream], 6),
+                             "busy_share": round(stream_busy[stream] / window, 4) if window else None}
                     for stream, intervals in sorted(by_stream.items(), key=lambda kv: -len(kv[1]))},
         "families": {family: {"seconds": round(seconds, 6),
                               "share_of_kernel_time": round(seconds / kernel_total, 4) if kernel_total else None}

@@ -368,7 +368,7 @@ class Trainer:
                 "consumed_samples": self.loader.state_dict()["consumed_samples"],
                 "epoch": self.loader.state_dict()["epoch"], "batch_checksum": int(reduced[1]),
                 "grad_norm": None if grad_norm is None else float(grad_norm),
-                "profiled": bool(config.profile_steps) and step > self.end_step - config.profile_steps,
+                "profiled": self.profiler is not None and self.profiler.covers(step),   # rank 0 writes the records
             }
 
     def save(self, step: int) -> None:
