@@ -18,10 +18,9 @@ from typing import Any
 import yaml
 
 from pipeline.common import CONFIGS_DIR, UserError
+from pretrain.config import STAGE3_TUNABLES, TrainConfig
 
 DEEPSPEED_CONFIGS = CONFIGS_DIR / "deepspeed"
-STAGE3_TUNABLES = ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-                   "stage3_max_live_parameters", "stage3_max_reuse_distance")
 
 
 def load_stage_template(zero: int) -> dict[str, Any]:
@@ -48,8 +47,8 @@ def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build_ds_config(config, *, world_size: int, grad_accum: int, accelerator: str) -> dict[str, Any]:
-    """The resolved DeepSpeed config dict for `config` (a pretrain.cli.TrainConfig) on `world_size` ranks."""
+def build_ds_config(config: TrainConfig, *, world_size: int, grad_accum: int, accelerator: str) -> dict[str, Any]:
+    """The resolved DeepSpeed config dict for `config`  on `world_size` ranks."""
     ds = load_stage_template(config.zero)
     zero_section = ds.setdefault("zero_optimization", {})
     zero_section["stage"] = config.zero
@@ -74,23 +73,10 @@ def build_ds_config(config, *, world_size: int, grad_accum: int, accelerator: st
         zero_section["offload_optimizer"] = dict(target)
         if config.zero == 3:
             zero_section["offload_param"] = dict(target)
-    if config.zero == 3:
-        for name in STAGE3_TUNABLES:
-            value = getattr(config, name)
-            if value is not None:
-                zero_section[name] = int(value)
-    elif any(getattr(config, name) is not None for name in STAGE3_TUNABLES):
-        raise UserError("the --stage3-* tunables apply to --zero 3 only; drop them or use --zero 3")
+    for name in STAGE3_TUNABLES:         # TrainConfig allows them at stage 3 only
+        value = getattr(config, name)
+        if value is not None:
+            zero_section[name] = int(value)
     if config.deepspeed:
         ds = deep_merge(ds, config.deepspeed)
     return ds
-
-
-def cpu_ds_config(*, world_size: int, grad_accum: int = 1, **train_fields: Any) -> dict[str, Any]:
-    """The DeepSpeed config `pretrain` runs with on CPU for these TrainConfig fields (model, zero, micro_batch,
-    precision, stage3_*, deepspeed, ...), built as the trainer builds it. For the measuring scripts
-    (scripts/zero3_trace.py, scripts/zero3_overhead.py), which run DeepSpeed without a shard set or run dir."""
-    from pretrain.cli import TrainConfig
-
-    config = TrainConfig(data="-", out="-", **train_fields)
-    return build_ds_config(config, world_size=world_size, grad_accum=grad_accum, accelerator="cpu")

@@ -16,17 +16,17 @@ from pathlib import Path
 
 import yaml
 
-from pretrain import launch
+from pretrain import ranks
 
 
 def test_the_gate_blocks_until_its_file_exists(tmp_path, monkeypatch):
-    monkeypatch.delenv(launch.START_GATE_ENV, raising=False)
-    assert launch.wait_for_start_gate() is None                 # no gate: no wait
+    monkeypatch.delenv(ranks.START_GATE_ENV, raising=False)
+    assert ranks.wait_for_start_gate() is None                 # no gate: no wait
     gate = tmp_path / "point.gate"
-    monkeypatch.setenv(launch.START_GATE_ENV, str(gate))
+    monkeypatch.setenv(ranks.START_GATE_ENV, str(gate))
     opener = threading.Timer(0.3, gate.touch)
     opener.start()
-    waited = launch.wait_for_start_gate(poll_s=0.01)
+    waited = ranks.wait_for_start_gate(poll_s=0.01)
     opener.join()
     assert gate.exists() and waited >= 0.25
 
@@ -40,7 +40,7 @@ def test_points_start_up_ahead_but_never_train_together(tiny_shards, tmp_path):
     grid_path.write_text(yaml.safe_dump(grid))
     out = tmp_path / "study"
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    result = subprocess.run([sys.executable, "-m", "pretrain.study_cli", "run", str(grid_path), "--out", str(out),
+    result = subprocess.run([sys.executable, "-m", "pretrain.study.cli", "run", str(grid_path), "--out", str(out),
                              "--data", str(tiny_shards)], capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "3 ok" in result.stdout

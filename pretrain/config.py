@@ -1,0 +1,164 @@
+"""`TrainConfig`: every setting of one `pretrain` run in one place (field, default, help text, validation).
+
+    config = resolve_config(["--zero", "3", "--data", "shards/demo", "--out", "runs/z3"])
+
+The `pretrain` flags, the keys of a `--config` YAML file and the axes of a study grid are all generated from
+these fields: adding a setting is one field here. Every check runs in `__post_init__`, before any rank is
+spawned, so a bad flag, YAML file or study grid point fails in one line (`pipeline.common.UserError`).
+This module imports neither torch nor DeepSpeed: the study validates whole grids with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.common import UserError
+from pipeline.settings import add_flags, build_settings, merged_settings, setting
+
+ZERO_STAGES = (0, 1, 2, 3)
+OFFLOADS = ("none", "cpu", "nvme")
+SCHEDULES = ("constant", "linear", "cosine", "inverse_sqrt")
+PRECISIONS = ("auto", "bf16", "fp32")
+GATHER_UNITS = ("block", "stack")     # ZeRO 3's unit of gathering; pretrain.model.zero3 maps each to a module
+STAGE3_TUNABLES = ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                   "stage3_max_live_parameters", "stage3_max_reuse_distance")
+
+
+@dataclass
+class TrainConfig:
+    """Everything one `pretrain` run needs; saved resolved as RUN_DIR/config.json["train"]."""
+
+    model: str = setting("t5-tiny", "model preset (configs/models/*.yaml), e.g. t5-tiny, mt5-base")
+    data: str = setting("", "shard set written by `prep corpus` (directory or URL)")
+    out: str = setting("", "run directory (config.json, metrics.jsonl, checkpoints/, tb/, summary.json)")
+    zero: int = setting(2, "ZeRO stage", choices=ZERO_STAGES)
+    offload: str = setting("none", "offload optimizer state (and params at stage 3) to cpu or nvme",
+                           choices=OFFLOADS)
+    nvme_path: str | None = setting(None, "directory for --offload nvme")
+    steps: int = setting(100, "total optimizer steps (the schedule is laid out over these)")
+    stop_after: int | None = setting(None, "stop after this many steps of this launch, with a checkpoint")
+    micro_batch: int = setting(8, "examples per rank per forward/backward")
+    global_batch: int | None = setting(None, "examples per optimizer step; grad accumulation = global/(micro*ranks)",
+                                       default_text="micro batch x ranks")
+    lr: float = setting(1e-3, "peak learning rate")
+    warmup_steps: int = setting(0, "linear warmup steps, from lr/warmup_steps to lr")
+    schedule: str = setting("cosine", "decay after warmup", choices=SCHEDULES)
+    min_lr_ratio: float = setting(0.1, "floor of linear/cosine decay as a fraction of --lr")
+    weight_decay: float = setting(0.0, "AdamW weight decay", default_text=0)
+    adam_beta1: float = setting(0.9, "AdamW beta1")
+    adam_beta2: float = setting(0.999, "AdamW beta2")
+    adam_eps: float = setting(1e-8, "AdamW epsilon")
+    grad_clip: float = setting(1.0, "gradient-norm clip, 0 disables")
+    precision: str = setting("auto", "auto: bf16 on GPU, fp32 on CPU (also --bf16 / --fp32)", choices=PRECISIONS)
+    activation_checkpointing: bool = setting(False, "recompute activations in backward")
+    compile: bool = setting(False, "torch.compile each block's forward and the loss chunk (every stage; "
+                                   "~10-30 s on the first step)")
+    loader_workers: int = setting(0, "DataLoader workers per rank")
+    prefetch_factor: int = setting(2, "batches prefetched per loader worker")
+    save_every: int = setting(0, "checkpoint every N steps (0: only at --stop-after)")
+    resume: bool = setting(False, "continue from the newest complete checkpoint in --out")
+    seed: int = setting(0, "seed for model init and data order")
+    nproc: int = setting(1, "local ranks to spawn; ignored under torchrun/deepspeed")
+    vocab_size: int | None = setting(None, "pin the model vocabulary (default: follows the shard set's tokenizer)")
+    tokenizer: str | None = setting(None, "tokenizer.json the shard set must have been built with (sha256 checked)")
+    input_length: int | None = setting(None, "expected input length; a shard set with another one is refused")
+    target_length: int | None = setting(None, "expected target length; a shard set with another one is refused")
+    verify: bool = setting(False, "sha256 every shard before training")
+    cache_dir: str | None = setting(None, "local cache for a remote shard set")
+    export_hf: str | None = setting(None, "write the final model to this directory in HF transformers format")
+    force: bool = setting(False, "run even if the memory estimate says it does not fit")
+    log_every: int = setting(1, "console progress line every N steps")
+    steady_skip: int = setting(2, "first steps left out of the summary medians (compile, allocator warm-up)")
+    profile_steps: int = setting(0, "profile the last N steps on rank 0 (torch.profiler): RUN_DIR/profile/ gets the "
+                                    "trace, op tables and device-busy / host-sync shares; the summary's medians "
+                                    "leave those steps out (0: off)")
+    peak_tflops: float | None = setting(None, "device peak TFLOP/s for MFU (default: by device; none on CPU)")
+    stage3_prefetch_bucket_size: int | None = setting(None, "ZeRO-3 prefetch bucket (elements)")
+    stage3_param_persistence_threshold: int | None = setting(
+        None, "ZeRO-3: params smaller than this stay gathered")
+    stage3_max_live_parameters: int | None = setting(None, "ZeRO-3: max gathered params at once")
+    stage3_max_reuse_distance: int | None = setting(None, "ZeRO-3: keep a param gathered if reused within this")
+    stage3_gather_unit: str = setting("block", "ZeRO-3: gather each T5 block, or each whole encoder/decoder stack "
+                                               "at once", choices=GATHER_UNITS)
+    deepspeed: dict[str, Any] = setting(default_factory=dict, flag=False,
+                                        help="raw DeepSpeed keys merged last (YAML only)")
+    model_overrides: dict[str, Any] = setting(default_factory=dict, flag=False,
+                                              help="T5Config fields over the preset's (YAML only)")
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise UserError(message)
+
+        for name, allowed in (("zero", ZERO_STAGES), ("offload", OFFLOADS), ("schedule", SCHEDULES),
+                              ("precision", PRECISIONS), ("stage3_gather_unit", GATHER_UNITS)):
+            need(getattr(self, name) in allowed,
+                 f"--{name.replace('_', '-')} must be one of {', '.join(map(str, allowed))}; got {getattr(self, name)!r}")
+        need(self.offload == "none" or self.zero >= 1,
+             "--offload needs ZeRO stage 1 or higher (stage 0 keeps everything on the device); use --zero 2 or 3")
+        need(self.offload != "nvme" or self.zero == 3,
+             "--offload nvme needs --zero 3 (ZeRO-Infinity); use --offload cpu at stages 1-2")
+        need(self.offload != "nvme" or bool(self.nvme_path),
+             "--offload nvme needs --nvme-path DIR (a directory on a fast local NVMe drive)")
+        need(self.zero == 3 or all(getattr(self, name) is None for name in STAGE3_TUNABLES),
+             "the --stage3-* tunables apply to --zero 3 only; drop them or use --zero 3")
+        for name in ("steps", "micro_batch", "nproc", "log_every", "prefetch_factor"):
+            need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "save_every", "loader_workers", "steady_skip", "profile_steps", "grad_clip",
+                     "weight_decay"):
+            need(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
+        need(0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        need(self.stop_after is None or 1 <= self.stop_after,
+             f"--stop-after must be >= 1, got {self.stop_after}")
+        need(self.global_batch is None or self.global_batch >= 1, "--global-batch must be >= 1")
+        need(isinstance(self.deepspeed, dict) and isinstance(self.model_overrides, dict),
+             "deepspeed and model_overrides must be mappings (YAML: `deepspeed: {key: value}`)")
+        need(bool(self.data), "--data SHARDS is required (a shard set written by `prep corpus`)")
+        need(bool(self.out), "--out RUN_DIR is required")
+
+    def grad_accum(self, world_size: int) -> int:
+        """Micro-batches per rank per optimizer step: global / (micro * world); refuses a remainder."""
+        global_batch = self.global_batch or self.micro_batch * world_size
+        per_step = self.micro_batch * world_size
+        if global_batch % per_step:
+            raise UserError(f"--global-batch {global_batch} is not a multiple of --micro-batch {self.micro_batch} "
+                            f"x {world_size} ranks = {per_step}; pick a global batch that is")
+        return global_batch // per_step
+
+    def resolved_global_batch(self, world_size: int) -> int:
+        return self.micro_batch * world_size * self.grad_accum(world_size)
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        """A copy with `changes`, validated again."""
+        return dataclasses.replace(self, **changes)
+
+
+def add_train_flags(parser: argparse.ArgumentParser) -> None:
+    """`pretrain`'s flags: one per TrainConfig field, `--config FILE`, and --bf16 / --fp32 for --precision."""
+    parser.add_argument("--config", default=argparse.SUPPRESS,
+                        help="YAML file whose keys are these flags' names, with - or _ (flags win)")
+    add_flags(parser, TrainConfig)
+    shorthand = parser.add_mutually_exclusive_group()
+    shorthand.add_argument("--bf16", dest="precision", action="store_const", const="bf16", default=argparse.SUPPRESS,
+                           help="--precision bf16 (the default on GPU)")
+    shorthand.add_argument("--fp32", dest="precision", action="store_const", const="fp32", default=argparse.SUPPRESS,
+                           help="--precision fp32 (the default on CPU)")
+
+
+def config_from_values(values: dict[str, Any], *, where: str) -> TrainConfig:
+    """A TrainConfig from YAML-like values (a `--config` file, a study point), type-checked and validated."""
+    if "bf16" in values or "fp32" in values:
+        raise UserError(f"{where}: write `precision: bf16` or `precision: fp32` instead of bf16/fp32 keys")
+    return build_settings(TrainConfig, values, where=where)
+
+
+def resolve_flags(flags: dict[str, Any]) -> TrainConfig:
+    """Parsed flags (a `--config` path among them, maybe) over the YAML file over the field defaults."""
+    where = str(flags.get("config", "the command line"))
+    values = merged_settings(TrainConfig, flags, command="pretrain", extra_keys=("config", "bf16", "fp32"))
+    values.pop("config", None)
+    return config_from_values(values, where=where)
