@@ -1,6 +1,4 @@
-"""Corpus -> span-corruption Arrow shards, executed on Ray.
+"""Corpus -> span-corruption Arrow shards, executed on Ray (`prep`); callers import from the submodules.
 
-    prep corpus --input corpus/*.jsonl.zst --tokenizer tok/tokenizer.json --out shards/c4
+    prep corpus --input corpus/*.jsonl.zst --tokenizer tok/tokenizer.json --out shards/c4 --config configs/prep/sample.yaml
 """
-
-__version__ = "0.1.0"

@@ -9,13 +9,15 @@ The word `sample` as an --input stands for the built-in sample corpus (written o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
 from pathlib import Path
 
-from pipeline.common import UserError, run_cli
-from pipeline.corpus import DEFAULT_UNIT_BYTES
+from pipeline.common import run_cli
+from pipeline.config import CorpusConfig, TokenizerConfig
+from pipeline.settings import add_flags, build_settings, field_names, flag_name, merged_settings
 
 SAMPLE_WORD = "sample"
 
@@ -51,17 +53,14 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
     from pipeline.readers import RejectCounter, iter_corpus_texts
     from tokenizer.t5 import adopt_tokenizer, tokenizer_info, train_tokenizer
 
+    config = config_from_args(TokenizerConfig, args)
     started = time.perf_counter()
-    if args.from_file:
-        if args.input:
-            raise UserError("pass either --from FILE (adopt a tokenizer) or --input PATH (train one), not both")
-        path = adopt_tokenizer(args.from_file, args.out)
+    if config.from_file:
+        path = adopt_tokenizer(config.from_file, config.out)
     else:
-        if not args.input:
-            raise UserError("nothing to train on: pass --input PATH (or `--input sample`), or --from FILE")
         rejected = RejectCounter()
-        texts = iter_corpus_texts(_inputs(args.input), args.text_field, args.max_doc_chars, rejected)
-        path = train_tokenizer(_capped(texts, args.max_bytes), args.vocab_size, args.out, show_progress=True)
+        texts = iter_corpus_texts(_inputs(config.input), config.text_field, config.max_doc_chars, rejected)
+        path = train_tokenizer(_capped(texts, config.max_bytes), config.vocab_size, config.out, show_progress=True)
         skipped = {k: v for k, v in rejected.items() if v}
         if skipped:
             print(f"skipped records: {skipped}")
@@ -85,17 +84,14 @@ def cmd_corpus(args: argparse.Namespace) -> int:
 
     Inputs: .jsonl/.jsonl.gz/.jsonl.zst (one JSON object per line), .txt (one document per line; blank lines
     skipped), .parquet, datasets save_to_disk directories; paths, directories and globs.
+    Settings: flags over `--config FILE` (a YAML mapping of these flags' names, e.g. configs/prep/sample.yaml)
+    over the defaults shown here.
     """
-    from pipeline.corpus import PrepConfig, build_shards
+    from pipeline.corpus import build_shards
     from pipeline.shardset import summary_lines
 
-    config = PrepConfig(inputs=_inputs(args.input), tokenizer=args.tokenizer, out=args.out,
-                        input_length=args.input_length, noise_density=args.noise_density,
-                        mean_noise_span_length=args.mean_span_length, seed=args.seed, shard_rows=args.shard_rows,
-                        text_field=args.text_field, max_doc_chars=args.max_doc_chars, unit_bytes=args.unit_bytes,
-                        workers=args.workers, ray_address=args.ray_address, overwrite=args.overwrite,
-                        progress=not args.quiet)
-    result = build_shards(config)
+    config = config_from_args(CorpusConfig, args)
+    result = build_shards(dataclasses.replace(config, input=_inputs(config.input)))
     if result.already_complete:
         print(f"{result.out}: already complete (fingerprint {result.manifest['fingerprint'][:12]}..., "
               f"{result.totals['shards']} shards verified); nothing to do")
@@ -136,6 +132,26 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def config_from_args(cls: type, args: argparse.Namespace):
+    """The settings of one command: its flags over `--config FILE` over the defaults. A required setting given
+    nowhere is argparse's own error (usage + exit 2); a bad value in the file is a `UserError` naming it."""
+    names = field_names(cls)
+    given = {name: value for name, value in vars(args).items() if name in names or name == "config"}
+    command = f"prep {args.command}"
+    values = merged_settings(cls, given, command=command)
+    missing = [flag_name(f.name) for f in dataclasses.fields(cls) if f.name not in values
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        args.parser.error(f"the following arguments are required: {', '.join(missing)}")
+    return build_settings(cls, values, where=args.config or command)
+
+
+def _add_config_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help="a YAML mapping of the settings below, keyed by flag name (with - or _); "
+                             "flags given here win over it")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prep", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -144,48 +160,31 @@ def build_parser() -> argparse.ArgumentParser:
     def add(name, func):
         p = sub.add_parser(name, help=func.__doc__.splitlines()[0], description=func.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.set_defaults(func=func)
+        p.set_defaults(func=func, parser=p)
         return p
 
     p = add("tokenizer", cmd_tokenizer)
-    p.add_argument("--input", nargs="+", help="corpus files/dirs/globs (or `sample`)")
-    p.add_argument("--from", dest="from_file", help="adopt this tokenizer.json instead of training")
-    p.add_argument("--vocab-size", type=int, default=32000, help="total vocabulary incl. specials and sentinels")
-    p.add_argument("--out", required=True, help="directory for tokenizer.json")
-    p.add_argument("--text-field", default="text")
-    p.add_argument("--max-doc-chars", type=int, default=1_000_000)
-    p.add_argument("--max-bytes", type=int, default=None, help="train on at most this many characters")
+    _add_config_flag(p)
+    add_flags(p, TokenizerConfig)
+    from_file = next(f for f in dataclasses.fields(TokenizerConfig) if f.name == "from_file")
+    p.add_argument("--from", dest="from_file", default=argparse.SUPPRESS, help=from_file.metadata["help"])
 
     p = add("corpus", cmd_corpus)
-    p.add_argument("--input", nargs="+", required=True, help="corpus files/dirs/globs (or `sample`)")
-    p.add_argument("--tokenizer", required=True, help="tokenizer.json in the T5 layout")
-    p.add_argument("--out", required=True, help="shard set directory")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="Ray workers (CPUs of the local cluster)")
-    p.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: start a local one)")
-    p.add_argument("--text-field", default="text")
-    p.add_argument("--input-length", type=int, default=512)
-    p.add_argument("--noise-density", type=float, default=0.15)
-    p.add_argument("--mean-span-length", type=float, default=3.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shard-rows", type=int, default=None, help="rows per shard (default: about 64 MiB)")
-    p.add_argument("--unit-bytes", type=int, default=DEFAULT_UNIT_BYTES,
-                   help="input bytes per work unit (part of the fingerprint; independent of --workers)")
-    p.add_argument("--max-doc-chars", type=int, default=1_000_000, help="longer documents are skipped (too_long)")
-    p.add_argument("--overwrite", action="store_true", help="replace a different shard set in --out")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_config_flag(p)
+    add_flags(p, CorpusConfig)
 
     p = add("inspect", cmd_inspect)
-    p.add_argument("shard_dir")
-    p.add_argument("--examples", type=int, default=3)
+    p.add_argument("shard_dir", help="a shard set directory (holding manifest.json)")
+    p.add_argument("--examples", type=int, default=3, help="how many examples to decode (default %(default)s)")
     p.add_argument("--tokenizer", default=None, help="decode with this file (default: the manifest's)")
 
     p = add("verify", cmd_verify)
-    p.add_argument("shard_dir")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("shard_dir", help="a shard set directory (holding manifest.json)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = add("sample-corpus", cmd_sample_corpus)
     p.add_argument("--out", required=True, help="directory for sample.jsonl")
-    p.add_argument("--max-bytes", type=int, default=None)
+    p.add_argument("--max-bytes", type=int, default=None, help="stop before the file grows past this many bytes")
     return parser
 
 

@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from tokenizer.errors import TokenizerError
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS_DIR = REPO_ROOT / "configs"
 _UMASK = os.umask(0)
@@ -24,10 +26,11 @@ class UserError(Exception):
 
 
 def run_cli(main: Callable[[], int | None]) -> int:
-    """Run a CLI entry point, turning a `UserError` into one line on stderr and exit status 2."""
+    """Run a CLI entry point, turning a `UserError` (or the tokenizer's own `TokenizerError`) into one line on
+    stderr and exit status 2."""
     try:
         return int(main() or 0)
-    except UserError as err:
+    except (UserError, TokenizerError) as err:
         prog = Path(sys.argv[0]).name or "t5zero"
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2

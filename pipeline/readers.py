@@ -1,7 +1,7 @@
 """Inputs -> work units -> documents: the reading step of `prep corpus` (and of `prep tokenizer`).
 
     units = plan_units(discover_inputs(["corpus/*.jsonl"]), unit_bytes=32 << 20)
-    for batch in read_unit(units[0], text_field="text", max_doc_chars=1_000_000, rejected=counts): ...
+    for batch in batched_texts(unit_texts(units[0], "text", max_doc_chars=1_000_000, rejected=RejectCounter())): ...
 
 Formats: `.jsonl` / `.json` (one JSON object per line, text under `text_field`), `.jsonl.gz`, `.jsonl.zst`,
 `.txt` (one document per line; blank lines separate nothing and are skipped), `.parquet` (column `text_field`),
@@ -28,7 +28,7 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.common import UserError
+from pipeline.common import UserError, sha256_file, sha256_json
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 TEXT_SUFFIXES = (".txt",)
@@ -110,6 +110,16 @@ def _arrow_files(dataset_dir: Path) -> list[Path]:
     return [dataset_dir / f["filename"] for f in state.get("_data_files", [])]
 
 
+def input_digest(item: InputFile) -> dict:
+    """The manifest's entry for one input: path, bytes and the sha256 of its bytes (of its arrow files' digests
+    for a `datasets` directory)."""
+    if item.kind == "arrow_dir":
+        digest = sha256_json([sha256_file(p) for p in _arrow_files(Path(item.path))])
+    else:
+        digest = sha256_file(item.path)
+    return {"path": item.path, "bytes": item.bytes, "sha256": digest}
+
+
 @dataclass(frozen=True)
 class WorkUnit:
     """One deterministic slice of the inputs: a byte range, a group of parquet row groups, or one arrow file."""
@@ -127,8 +137,6 @@ class WorkUnit:
 
 def plan_units(inputs: list[InputFile], unit_bytes: int) -> list[WorkUnit]:
     """Split sorted inputs into numbered work units of about `unit_bytes` (independent of worker count)."""
-    if unit_bytes < 1024:
-        raise UserError(f"--unit-bytes {unit_bytes} is too small; use at least 1024 (default 4 MiB)")
     units: list[WorkUnit] = []
 
     def add(path: str, kind: str, start: int, end: int, size: int) -> None:

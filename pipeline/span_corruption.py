@@ -18,6 +18,8 @@ import numpy as np
 from pipeline.common import UserError
 
 MAX_SENTINELS = 100
+T5_NOISE_DENSITY = 0.15  # the defaults of T5's span corruption (and of `prep corpus`)
+T5_MEAN_NOISE_SPAN_LENGTH = 3.0
 
 
 def _lengths_after_corruption(raw_length: int, noise_density: float, mean_noise_span_length: float) -> tuple[int, int]:
@@ -42,14 +44,17 @@ class SpanSpec:
     corrupted_input_length: int  # kept tokens + sentinels + `</s>` before padding
 
     @classmethod
-    def derive(cls, input_length: int, noise_density: float = 0.15, mean_noise_span_length: float = 3.0) -> "SpanSpec":
+    def derive(cls, input_length: int, noise_density: float = T5_NOISE_DENSITY,
+               mean_noise_span_length: float = T5_MEAN_NOISE_SPAN_LENGTH) -> "SpanSpec":
         """The largest raw window whose corrupted inputs fit `input_length` (T5's `random_spans_helper`)."""
         if input_length < 4:
             raise UserError(f"--input-length {input_length} is too short; use at least 4 (T5 uses 512)")
         if not 0.0 < noise_density < 1.0:
-            raise UserError(f"--noise-density {noise_density} must lie strictly between 0 and 1 (T5 uses 0.15)")
+            raise UserError(f"--noise-density {noise_density} must lie strictly between 0 and 1 "
+                            f"(T5 uses {T5_NOISE_DENSITY})")
         if mean_noise_span_length < 1.0:
-            raise UserError(f"--mean-span-length {mean_noise_span_length} must be >= 1 (T5 uses 3.0)")
+            raise UserError(f"--mean-span-length {mean_noise_span_length} must be >= 1 "
+                            f"(T5 uses {T5_MEAN_NOISE_SPAN_LENGTH})")
         raw_length = input_length - 1
         while _lengths_after_corruption(raw_length + 1, noise_density, mean_noise_span_length)[0] <= input_length:
             raw_length += 1

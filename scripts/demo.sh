@@ -18,8 +18,8 @@ step "2/6 prep tokenizer: Unigram, T5 layout (<pad>=0 </s>=1 <unk>=2, 100 sentin
 [ -f "$OUT/tok/tokenizer.json" ] || prep tokenizer --input "$OUT/corpus" --vocab-size 2048 --out "$OUT/tok"
 
 step "3/6 prep corpus on a local Ray cluster (2 workers): span-corruption shards + manifest"
-prep corpus --input "$OUT/corpus" --tokenizer "$OUT/tok/tokenizer.json" --out "$OUT/shards" \
-  --input-length 128 --shard-rows 512 --workers 2
+prep corpus --config configs/prep/sample.yaml --input "$OUT/corpus" --tokenizer "$OUT/tok/tokenizer.json" \
+  --out "$OUT/shards"
 prep inspect "$OUT/shards" --examples 2
 prep verify "$OUT/shards"
 

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -47,14 +46,14 @@ def tiny_tokenizer(sample_corpus, tmp_path_factory) -> Path:
 
 
 def tiny_prep_config(inputs, tokenizer, out, **overrides):
-    """The PrepConfig of `tiny_shards` (tests that rebuild the set compare against the fixture with it)."""
-    from pipeline.corpus import PrepConfig
+    """The CorpusConfig of `tiny_shards` (tests that rebuild the set compare against the fixture with it)."""
+    from pipeline.config import CorpusConfig
 
-    settings = dict(inputs=[str(p) for p in inputs], tokenizer=str(tokenizer), out=str(out),
+    settings = dict(input=[str(p) for p in inputs], tokenizer=str(tokenizer), out=str(out),
                     input_length=TINY_INPUT_LENGTH, unit_bytes=TINY_UNIT_BYTES, shard_rows=TINY_SHARD_ROWS,
-                    workers=2, progress=False)
+                    workers=2, quiet=True)
     settings.update(overrides)
-    return PrepConfig(**settings)
+    return CorpusConfig(**settings)
 
 
 @pytest.fixture(scope="session")
@@ -68,19 +67,6 @@ def tiny_shards(sample_corpus, tiny_tokenizer, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_prep(sample_corpus, tiny_tokenizer):
-    """A factory: tiny_prep(out, **overrides) -> the PrepConfig of `tiny_shards` aimed at `out`."""
+    """A factory: tiny_prep(out, **overrides) -> the CorpusConfig of `tiny_shards` aimed at `out`."""
     return lambda out, **overrides: tiny_prep_config(**{"inputs": [sample_corpus], "tokenizer": tiny_tokenizer,
                                                         "out": out, **overrides})
-
-
-@pytest.fixture(scope="session")
-def load_script():
-    """`load_script(NAME)`: scripts/NAME.py imported as a module (the measuring scripts are files, not a package)."""
-    from pipeline.common import REPO_ROOT
-
-    def load(name: str):
-        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    return load

@@ -2,22 +2,25 @@
 
     tok = load_tokenizer("tok/tokenizer.json")   # checks <pad>=0, </s>=1, <unk>=2, <extra_id_0>=V-1 .. <extra_id_99>=V-100
 
-Layout (DESIGN.md "Tokenizer"): `<pad>`=0, `</s>`=1, `<unk>`=2, sentinels `<extra_id_0>` .. `<extra_id_99>` at the
+Layout (docs/design.md "Tokenizer"): `<pad>`=0, `</s>`=1, `<unk>`=2, sentinels `<extra_id_0>` .. `<extra_id_99>` at the
 top of the vocabulary, `<extra_id_0>` = vocab_size-1, descending. No post-processor adds `</s>`: prep appends
-`</s>` once per document itself.
+`</s>` once per document itself. This package stands alone (it imports nothing from `pipeline` or `pretrain`):
+a problem the user can fix raises `TokenizerError`, one line naming the file and the fix.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import Unigram
 from tokenizers.trainers import UnigramTrainer
 
-from pipeline.common import UserError, atomic_write_bytes, sha256_file
+from tokenizer.errors import TokenizerError
 
 PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
@@ -36,13 +39,14 @@ def _resolve(path: str | Path) -> Path:
 
 def _read(path: Path) -> Tokenizer:
     if not path.is_file():
-        raise UserError(f"{path}: tokenizer file not found; train one with `prep tokenizer --input CORPUS --out DIR`")
+        raise TokenizerError(f"{path}: tokenizer file not found; "
+                             f"train one with `prep tokenizer --input CORPUS --out DIR`")
     try:
         return Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception for unreadable JSON
         first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise UserError(f"{path}: not a readable HF tokenizers JSON file ({first_line}); "
-                        f"train one with `prep tokenizer` or pass a tokenizer.json") from None
+        raise TokenizerError(f"{path}: not a readable HF tokenizers JSON file ({first_line}); "
+                             f"train one with `prep tokenizer` or pass a tokenizer.json") from None
 
 
 def layout_problems(tokenizer: Tokenizer) -> list[str]:
@@ -59,7 +63,7 @@ def layout_problems(tokenizer: Tokenizer) -> list[str]:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load a tokenizer.json (or a directory holding one) and check the T5 layout; `UserError` otherwise.
+    """Load a tokenizer.json (or a directory holding one) and check the T5 layout; `TokenizerError` otherwise.
 
     Special-token strings inside documents (a literal "<extra_id_0>" in the text) are tokenised as plain text.
     """
@@ -67,8 +71,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     tokenizer = _read(path)
     problems = layout_problems(tokenizer)
     if problems:
-        raise UserError(f"{path}: not a T5-layout tokenizer ({'; '.join(problems)}); "
-                        f"fix it with `prep tokenizer --from {path} --out DIR`")
+        raise TokenizerError(f"{path}: not a T5-layout tokenizer ({'; '.join(problems)}); "
+                             f"fix it with `prep tokenizer --from {path} --out DIR`")
     tokenizer.encode_special_tokens = True
     return tokenizer
 
@@ -78,7 +82,7 @@ def tokenizer_info(path: str | Path) -> dict:
     path = _resolve(path)
     tokenizer = load_tokenizer(path)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    return {"path": str(path.resolve()), "sha256": sha256_file(path), "vocab_size": vocab_size,
+    return {"path": str(path.resolve()), "sha256": tokenizer_sha256(path), "vocab_size": vocab_size,
             "pad_id": PAD_ID, "eos_id": EOS_ID, "unk_id": UNK_ID, "sentinel_first_id": vocab_size - 1,
             "sentinel_last_id": vocab_size - NUM_SENTINELS, "num_sentinels": NUM_SENTINELS}
 
@@ -88,9 +92,24 @@ def _add_sentinels(tokenizer: Tokenizer) -> None:
     tokenizer.add_special_tokens([sentinel_token(k) for k in reversed(range(NUM_SENTINELS))])
 
 
+def tokenizer_sha256(path: str | Path) -> str:
+    """Hex sha256 of a tokenizer file's bytes (what every shard set records)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 def _save(tokenizer: Tokenizer, out_dir: str | Path) -> Path:
+    """Write DIR/tokenizer.json under a temp name, fsync it and rename it into place; check it as we hand it out."""
     path = Path(out_dir) / TOKENIZER_FILE
-    atomic_write_bytes(path, tokenizer.to_str(pretty=True).encode())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tokenizer.save(str(tmp), pretty=True)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     load_tokenizer(path)  # the file we hand out must pass our own check
     return path
 
@@ -100,11 +119,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path, 
     """Train a Unigram tokenizer on a stream of documents and save DIR/tokenizer.json in the T5 layout.
 
     `texts` is consumed lazily (the trainer keeps word counts, not the corpus). `vocab_size` includes the
-    three specials and the 100 sentinels. A corpus too small to fill the vocabulary is a `UserError`.
+    three specials and the 100 sentinels. A corpus too small to fill the vocabulary is a `TokenizerError`.
     """
     if vocab_size < NUM_SENTINELS + 3 + 16:
-        raise UserError(f"--vocab-size {vocab_size} is too small; it must hold 3 specials, {NUM_SENTINELS} "
-                        f"sentinels and some pieces (use >= {NUM_SENTINELS + 3 + 16}; T5 uses 32000)")
+        raise TokenizerError(f"--vocab-size {vocab_size} is too small; it must hold 3 specials, {NUM_SENTINELS} "
+                             f"sentinels and some pieces (use >= {NUM_SENTINELS + 3 + 16}; T5 uses 32000)")
     tokenizer = Tokenizer(Unigram())
     tokenizer.normalizer = normalizers.NFKC()
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
@@ -114,9 +133,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path, 
     tokenizer.train_from_iterator(texts, trainer=trainer, length=length)
     learned = tokenizer.get_vocab_size(with_added_tokens=True)
     if learned != vocab_size - NUM_SENTINELS:
-        raise UserError(f"the training corpus yields only {learned} pieces, fewer than the {vocab_size - NUM_SENTINELS} "
-                        f"needed for --vocab-size {vocab_size}; give more text or lower --vocab-size to "
-                        f"{learned + NUM_SENTINELS}")
+        raise TokenizerError(f"the training corpus yields only {learned} pieces, fewer than the "
+                             f"{vocab_size - NUM_SENTINELS} needed for --vocab-size {vocab_size}; give more text "
+                             f"or lower --vocab-size to {learned + NUM_SENTINELS}")
     _add_sentinels(tokenizer)
     return _save(tokenizer, out_dir)
 
@@ -134,20 +153,8 @@ def adopt_tokenizer(source: str | Path, out_dir: str | Path) -> Path:
         _add_sentinels(tokenizer)
     problems = layout_problems(tokenizer)
     if problems:
-        raise UserError(f"{source}: cannot adopt this tokenizer into the T5 layout ({'; '.join(problems)}); "
-                        f"train a new one with `prep tokenizer --input CORPUS`")
+        raise TokenizerError(f"{source}: cannot adopt this tokenizer into the T5 layout ({'; '.join(problems)}); "
+                             f"train a new one with `prep tokenizer --input CORPUS`")
     spec = json.loads(tokenizer.to_str())
     spec["post_processor"] = None
     return _save(Tokenizer.from_str(json.dumps(spec)), out_dir)
-
-
-def batched(texts: Iterable[str], batch_size: int = 1000) -> Iterator[list[str]]:
-    """Group a stream of documents into lists (train_from_iterator accepts batches)."""
-    batch: list[str] = []
-    for text in texts:
-        batch.append(text)
-        if len(batch) == batch_size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch

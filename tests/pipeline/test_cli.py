@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from pipeline.cli import main
+from pipeline.common import REPO_ROOT, UserError
 from pipeline.shard_format import read_manifest
 
 
@@ -84,3 +85,27 @@ def test_console_script_help_and_error_exit_code(tmp_path):
     assert "--noise-density" in out and "span-corruption" in out
     done = subprocess.run([prep, "verify", str(tmp_path)], capture_output=True, text=True)
     assert done.returncode == 2 and "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def _corpus_config(argv):
+    from pipeline.cli import build_parser, config_from_args
+    from pipeline.config import CorpusConfig
+
+    return config_from_args(CorpusConfig, build_parser().parse_args(["corpus", *argv]))
+
+
+def test_corpus_settings_flags_over_config_file_over_defaults(tmp_path):
+    (tmp_path / "prep.yaml").write_text("input_length: 128\nshard-rows: 512\nseed: 7\n")
+    config = _corpus_config(["--input", "c.jsonl", "--tokenizer", "t.json", "--out", "o",
+                             "--config", str(tmp_path / "prep.yaml"), "--seed", "5"])
+    assert (config.input_length, config.shard_rows, config.seed, config.noise_density) == (128, 512, 5, 0.15)
+    (tmp_path / "bad.yaml").write_text("input_lenght: 128\n")
+    with pytest.raises(UserError, match=r"bad.yaml: unknown keys \['input_lenght'\]"):
+        _corpus_config(["--input", "c.jsonl", "--tokenizer", "t.json", "--out", "o",
+                        "--config", str(tmp_path / "bad.yaml")])
+
+
+@pytest.mark.parametrize("path", sorted((REPO_ROOT / "configs" / "prep").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_prep_config_file_is_valid(path):
+    config = _corpus_config(["--input", "c.jsonl", "--tokenizer", "t.json", "--out", "o", "--config", str(path)])
+    assert config.span_spec().raw_length > config.input_length

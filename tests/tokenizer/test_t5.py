@@ -5,8 +5,7 @@ import json
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from pipeline.common import UserError
-from tokenizer.t5 import adopt_tokenizer, load_tokenizer, tokenizer_info, train_tokenizer
+from tokenizer.t5 import TokenizerError, adopt_tokenizer, load_tokenizer, tokenizer_info, train_tokenizer
 
 
 def test_trained_tokenizer_has_the_t5_layout(tiny_tokenizer):
@@ -26,7 +25,7 @@ def test_no_eos_added_and_literal_sentinels_are_text(tiny_tokenizer):
 
 
 def test_too_small_corpus_is_a_clear_error(tmp_path):
-    with pytest.raises(UserError, match="fewer than"):
+    with pytest.raises(TokenizerError, match="fewer than"):
         train_tokenizer(iter(["tiny corpus"] * 3), 4000, tmp_path, show_progress=False)
 
 
@@ -42,7 +41,7 @@ def _plain_tokenizer(path, with_post_processor=True):
 
 def test_adopt_adds_sentinels_and_drops_eos_post_processor(tmp_path):
     source = _plain_tokenizer(tmp_path / "plain.json")
-    with pytest.raises(UserError, match="sentinels"):
+    with pytest.raises(TokenizerError, match="sentinels"):
         load_tokenizer(source)
     adopted = adopt_tokenizer(source, tmp_path / "out")
     tok = load_tokenizer(adopted)
@@ -57,13 +56,14 @@ def test_adopt_adds_sentinels_and_drops_eos_post_processor(tmp_path):
 def test_adopt_refuses_specials_at_other_ids(tmp_path):
     tok = Tokenizer(models.WordLevel({"hello": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}, unk_token="<unk>"))
     tok.save(str(tmp_path / "bad.json"))
-    with pytest.raises(UserError, match="cannot adopt"):
+    with pytest.raises(TokenizerError, match="cannot adopt"):
         adopt_tokenizer(tmp_path / "bad.json", tmp_path / "out")
 
 
 def test_unreadable_and_missing_files(tmp_path):
     (tmp_path / "garbage.json").write_text("{not json")
-    with pytest.raises(UserError, match="garbage.json: not a readable"):
+    with pytest.raises(TokenizerError, match="garbage.json: not a readable"):
         load_tokenizer(tmp_path / "garbage.json")
-    with pytest.raises(UserError, match="not found"):
+    with pytest.raises(TokenizerError, match="not found"):
         load_tokenizer(tmp_path / "nope.json")
+
