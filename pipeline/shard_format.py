@@ -1,7 +1,12 @@
-"""The on-disk shard-set contract (DESIGN.md "Shard set on disk"), in one place for the writer and the loader.
+"""The on-disk shard-set contract (docs/design.md "Shard set on disk"): the one writer, reader and checker of
+shards and manifests, shared by `prep corpus`, `prep verify`/`inspect`, the loader and the s3 cache.
 
     write_shard(path, input_ids, labels)          # Arrow IPC stream, fixed_size_list<int32> columns
-    manifest = read_manifest("shards/demo")       # validated dict
+    manifest = read_manifest("shards/demo")       # validated dict (format version checked here only)
+    batches = map_shard(path, input_length=512, target_length=114, rows=100)  # zero-copy int32 views
+
+A shard that does not match its manifest raises `ShardProblem`, a `UserError` naming the file and the fix;
+its `problem` attribute says what is wrong without the file or the fix (`prep verify` prints its own fix).
 """
 
 from __future__ import annotations
@@ -24,6 +29,17 @@ LABEL_COLUMN = "labels"
 MANIFEST_KEYS = ("format_version", "tool_version", "config", "tokenizer", "inputs", "shards", "totals",
                  "rejected", "fingerprint")
 
+
+class ShardProblem(UserError):
+    """A shard file that does not match its manifest: `path`, and `problem` (what is wrong, without the fix)."""
+
+    def __init__(self, path: str | Path, problem: str):
+        super().__init__(f"{path}: {problem}; rebuild the shard set with `prep corpus` (or re-copy it)")
+        self.path = str(path)
+        self.problem = problem
+
+
+# -- writing ----------------------------------------------------------------------------------------------------
 
 def shard_name(unit_id: int, part: int) -> str:
     """Relative path of part `part` of work unit `unit_id`: data/part-UUUUU-KKKK.arrow."""
@@ -54,45 +70,18 @@ def to_record_batch(input_ids: np.ndarray, labels: np.ndarray) -> pa.RecordBatch
     return pa.RecordBatch.from_arrays(columns, schema=shard_schema(inputs.shape[1], targets.shape[1]))
 
 
-def write_shard(path: str | Path, input_ids: np.ndarray, labels: np.ndarray) -> int:
+def write_shard(path: str | Path, input_ids: np.ndarray, labels: np.ndarray, *, record_batches: int = 1) -> int:
     """Write one shard as an Arrow IPC stream to `path` (the caller renames a temp path into place).
 
-    Returns the bytes written. The file is readable by `datasets.Dataset.from_file`.
+    Returns the bytes written. The file is readable by `datasets.Dataset.from_file`. `record_batches` > 1
+    splits the rows over several record batches of one stream (a layout any Arrow writer may produce).
     """
-    batch = to_record_batch(input_ids, labels)
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, batch.schema) as writer:
-        writer.write_batch(batch)
+    cuts = np.array_split(np.arange(len(input_ids)), record_batches) if record_batches > 1 else [slice(None)]
+    batches = [to_record_batch(input_ids[rows], labels[rows]) for rows in cuts]
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, batches[0].schema) as writer:
+        for batch in batches:
+            writer.write_batch(batch)
     return Path(path).stat().st_size
-
-
-def read_shard_arrays(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
-    """Memory-map one shard and return zero-copy int32 views ([rows, input_length], [rows, target_length])."""
-    with pa.memory_map(str(path), "r") as source:
-        table = pa.ipc.open_stream(source).read_all()
-    arrays = []
-    for name in (INPUT_COLUMN, LABEL_COLUMN):
-        column = table.column(name).combine_chunks()
-        width = column.type.list_size
-        flat = column.flatten()  # respects the array's offset, unlike .values
-        values = np.frombuffer(flat.buffers()[1], dtype=np.int32, count=len(flat), offset=flat.offset * 4)
-        values.setflags(write=False)  # the pages are a read-only map of the shard file
-        arrays.append(values.reshape(-1, width))
-    return arrays[0], arrays[1]
-
-
-def shard_file_problem(shard_dir: str | Path, shard: dict[str, Any], *, check_sha: bool = True) -> str | None:
-    """Why a shard's file does not match its manifest entry ("missing", a size mismatch, a sha256 mismatch), or
-    None when it matches; the sha256 is recomputed only with `check_sha`."""
-    path = Path(shard_dir) / shard["path"]
-    try:
-        size = path.stat().st_size
-    except OSError:
-        return "missing"
-    if size != shard["bytes"]:
-        return f"size {size} bytes, manifest says {shard['bytes']}"
-    if check_sha and sha256_file(path) != shard["sha256"]:
-        return "sha256 differs from the manifest (corrupted or modified)"
-    return None
 
 
 def write_manifest(shard_dir: str | Path, manifest: dict[str, Any]) -> None:
@@ -103,20 +92,107 @@ def write_manifest(shard_dir: str | Path, manifest: dict[str, Any]) -> None:
     atomic_write_json(Path(shard_dir) / MANIFEST_NAME, manifest)
 
 
+# -- the manifest --------------------------------------------------------------------------------------------
+
 def read_manifest(shard_dir: str | Path) -> dict[str, Any]:
     """Read and check a shard set's manifest; a user-fixable problem raises `UserError` naming the file."""
     path = Path(shard_dir) / MANIFEST_NAME
     if not path.is_file():
         raise UserError(f"{path}: no manifest; run `prep corpus --out {shard_dir}` first (or finish it: "
                         f"a shard set without manifest.json is incomplete)")
+    return parse_manifest(path.read_bytes(), path)
+
+
+def parse_manifest(data: bytes | str, where: str | Path) -> dict[str, Any]:
+    """Parse and check the bytes of a manifest read from `where` (a file or a URL, named in any error):
+    valid JSON, every key, this tool's format version."""
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserError(f"{path}: not valid JSON ({err}); rebuild the shard set with `prep corpus --overwrite`")
-    missing = [k for k in MANIFEST_KEYS if k not in manifest]
+        raise UserError(f"{where}: not valid JSON ({err}); rebuild the shard set with `prep corpus --overwrite`")
+    missing = [k for k in MANIFEST_KEYS if k not in manifest] if isinstance(manifest, dict) else list(MANIFEST_KEYS)
     if missing:
-        raise UserError(f"{path}: manifest lacks {missing}; rebuild the shard set with `prep corpus --overwrite`")
+        raise UserError(f"{where}: manifest lacks {missing}; rebuild the shard set with `prep corpus --overwrite`")
     if manifest["format_version"] != FORMAT_VERSION:
-        raise UserError(f"{path}: shard format version {manifest['format_version']}, this tool reads "
+        raise UserError(f"{where}: shard format version {manifest['format_version']}, this tool reads "
                         f"{FORMAT_VERSION}; rebuild the shard set with this version of `prep corpus`")
     return manifest
+
+
+# -- a shard against its manifest entry --------------------------------------------------------------------------
+
+def shard_file_problem(shard_dir: str | Path, shard: dict[str, Any], *, check_sha: bool = True) -> str | None:
+    """Why the file of manifest entry `shard` does not match it (missing, another size, another sha256), or
+    None when it matches; the sha256 is recomputed only with `check_sha`."""
+    path = Path(shard_dir) / shard["path"]
+    manifest_path = Path(shard_dir) / MANIFEST_NAME
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return f"shard listed in {manifest_path} is missing"
+    if size != shard["bytes"]:
+        return f"{size} bytes, the manifest says {shard['bytes']} (truncated or replaced)"
+    if check_sha and sha256_file(path) != shard["sha256"]:
+        return f"sha256 does not match {manifest_path} (corrupt shard)"
+    return None
+
+
+def check_shard_file(shard_dir: str | Path, shard: dict[str, Any], *, check_sha: bool) -> None:
+    """`shard_file_problem`, raised as a `ShardProblem` naming the file."""
+    problem = shard_file_problem(shard_dir, shard, check_sha=check_sha)
+    if problem:
+        raise ShardProblem(Path(shard_dir) / shard["path"], problem)
+
+
+# -- reading a shard -------------------------------------------------------------------------------------------
+
+def map_shard(path: str | Path, input_length: int | None = None, target_length: int | None = None,
+              rows: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Memory-map one shard: per non-empty record batch, zero-copy read-only int32 views (inputs [n, input_length],
+    labels [n, target_length]). Checks the schema (fixed_size_list<int32> of the given widths, when given),
+    nulls, and the total row count (when `rows` is given); any mismatch raises `ShardProblem`."""
+    try:
+        reader = pa.ipc.open_stream(pa.memory_map(str(path), "r"))
+        batches = list(reader)
+    except (OSError, pa.ArrowInvalid) as err:
+        raise ShardProblem(path, f"not a readable Arrow stream shard ({err})") from None
+    widths = {}
+    for name, width in ((INPUT_COLUMN, input_length), (LABEL_COLUMN, target_length)):
+        field = reader.schema.field(name) if name in reader.schema.names else None
+        if (field is None or not pa.types.is_fixed_size_list(field.type) or field.type.value_type != pa.int32()
+                or width is not None and field.type.list_size != width):
+            expected = "fixed_size_list<int32>" + (f"[{width}] from the manifest" if width is not None else "")
+            raise ShardProblem(path, f"column {name} is {field.type if field else 'missing'}, expected {expected}")
+        widths[name] = field.type.list_size
+    chunks = [tuple(_int32_rows(batch.column(name), width, path) for name, width in widths.items())
+              for batch in batches if batch.num_rows]
+    got = sum(len(inputs) for inputs, _ in chunks)
+    if rows is not None and got != rows:
+        raise ShardProblem(path, f"{got} rows, the manifest says {rows}")
+    return chunks
+
+
+def _int32_rows(column: pa.FixedSizeListArray, width: int, path: str | Path) -> np.ndarray:
+    """Zero-copy read-only [rows, width] int32 view of a fixed_size_list<int32> column's data buffer.
+
+    Reads the buffer directly (np.frombuffer) rather than through Array.to_numpy, which imports pandas:
+    half a second of time-to-first-batch in a fresh process.
+    """
+    values = column.values
+    if column.null_count or values.null_count:
+        raise ShardProblem(path, "null tokens in the shard")
+    first = values.offset + column.offset * width
+    view = np.frombuffer(values.buffers()[1], dtype=np.int32, count=len(column) * width, offset=first * 4)
+    view.setflags(write=False)  # the pages are a read-only map of the shard file
+    return view.reshape(-1, width)
+
+
+def read_shard_arrays(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """The whole shard as two int32 arrays ([rows, input_length], [rows, target_length]); zero-copy views
+    when it holds one record batch."""
+    chunks = map_shard(path)
+    if len(chunks) == 1:
+        return chunks[0]
+    if not chunks:
+        raise ShardProblem(path, "no rows")
+    return np.concatenate([c[0] for c in chunks]), np.concatenate([c[1] for c in chunks])

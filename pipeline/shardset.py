@@ -1,6 +1,6 @@
 """Look at and check a finished shard set: `prep inspect` (summary + decoded examples) and `prep verify` (checksums).
 
-    problems = verify_shard_set("shards/demo")     # [] when every shard is present and intact
+    problems = [p for _, p in verify_shard_set("shards/demo") if p]     # [] when every shard is intact
 """
 
 from __future__ import annotations
@@ -8,10 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
-import pyarrow as pa
-
 from pipeline.common import UserError, sha256_file
-from pipeline.shard_format import INPUT_COLUMN, LABEL_COLUMN, read_manifest, read_shard_arrays, shard_file_problem
+from pipeline.shard_format import ShardProblem, map_shard, read_manifest, read_shard_arrays, shard_file_problem
 
 
 def verify_shard_set(shard_dir: str | Path, progress: bool = False) -> Iterator[tuple[str, str | None]]:
@@ -29,22 +27,13 @@ def verify_shard_set(shard_dir: str | Path, progress: bool = False) -> Iterator[
 
 
 def _shard_problem(shard_dir: Path, shard: dict, config: dict) -> str | None:
-    path = shard_dir / shard["path"]
     problem = shard_file_problem(shard_dir, shard)
     if problem:
         return problem
     try:
-        with pa.memory_map(str(path), "r") as source:
-            reader = pa.ipc.open_stream(source)
-            schema = reader.schema
-            rows = sum(batch.num_rows for batch in reader)
-    except pa.ArrowInvalid as err:
-        return f"not a readable Arrow stream ({err})"
-    widths = (schema.field(INPUT_COLUMN).type.list_size, schema.field(LABEL_COLUMN).type.list_size)
-    if widths != (config["input_length"], config["target_length"]):
-        return f"column widths {widths}, manifest config says {(config['input_length'], config['target_length'])}"
-    if rows != shard["rows"]:
-        return f"{rows} rows, manifest says {shard['rows']}"
+        map_shard(shard_dir / shard["path"], config["input_length"], config["target_length"], rows=shard["rows"])
+    except ShardProblem as err:
+        return err.problem
     return None
 
 

@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "tests" / "pretrain"))
-from shardgen import write_shard_set  # noqa: E402
+from pipeline.synthetic_shards import write_shard_set
+from pretrain.data.dataset import ShardDataset
+from pretrain.data.loader import make_loader
 
-from pretrain.data import ShardDataset, make_loader  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 SHARD_BYTES = 64 << 20
 
@@ -84,7 +84,8 @@ def time_batches(batches, warmup: int, count: int) -> float:
 FRESH_PROCESS = """
 import json, sys, time
 started = time.perf_counter()
-from pretrain.data import ShardDataset, make_loader
+from pretrain.data.dataset import ShardDataset
+from pretrain.data.loader import make_loader
 imported = time.perf_counter()
 shard_dir, micro, batch, workers = sys.argv[1], *map(int, sys.argv[2:5])
 loader = make_loader(ShardDataset(shard_dir), micro_batch_size=micro, global_batch_size=batch, seed=0,

@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import json
 import pickle
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from shardgen import rewrite_manifest, write_shard_set  # noqa: E402
-
-from pipeline.common import UserError  # noqa: E402
-from pretrain.data import ShardDataset, make_loader  # noqa: E402
+from pipeline.common import UserError, atomic_write_json
+from pipeline.shard_format import MANIFEST_NAME
+from pipeline.synthetic_shards import write_shard_set
+from pretrain.data.dataset import ShardDataset
+from pretrain.data.loader import make_loader
 
 SHARD_ROWS = [13, 7, 20]  # 40 examples, uneven shards
 GLOBAL_BATCH, MICRO_BATCH, SEED = 8, 2, 11
@@ -40,7 +39,7 @@ def dataset(shard_dir) -> ShardDataset:
 
 
 def ids(batch) -> list[int]:
-    """The global row ids of a micro-batch (shardgen puts them in column 0), checked against the labels."""
+    """The global row ids of a micro-batch (write_shard_set puts them in column 0), checked against the labels."""
     assert batch["input_ids"].dtype == torch.int64 and batch["labels"].dtype == torch.int64
     assert torch.equal(batch["input_ids"][:, 0], batch["labels"][:, 0])
     return batch["input_ids"][:, 0].tolist()
@@ -108,13 +107,16 @@ def test_pickles_without_its_maps_and_reopens_them(dataset):
 
 
 def test_checks_what_the_caller_expects(shard_dir):
-    ShardDataset(shard_dir, input_length=8, target_length=4, tokenizer_sha256="0" * 64)
+    ShardDataset(shard_dir, input_length=8, target_length=4)
     with pytest.raises(UserError, match=r"input_length 8, the run expects 512.*--input-length 512"):
         ShardDataset(shard_dir, input_length=512)
     with pytest.raises(UserError, match="target_length 4, the run expects 114"):
         ShardDataset(shard_dir, target_length=114)
-    with pytest.raises(UserError, match=f"{shard_dir}.*tokenizer sha256 000000000000"):
-        ShardDataset(shard_dir, tokenizer_sha256="f" * 64)
+
+
+def rewrite_manifest(out_dir: Path, manifest: dict) -> None:
+    """Replace a set's manifest as it is, unchecked (the damage tests corrupt one field)."""
+    atomic_write_json(out_dir / MANIFEST_NAME, manifest)
 
 
 def damage_missing(path: Path, manifest: dict):
@@ -208,7 +210,7 @@ def test_resume_twice_equals_the_uninterrupted_run(dataset, reference, workers, 
     up with the 4 micro-batches of a global batch.
     """
     if group_rows:
-        monkeypatch.setattr("pretrain.data.FETCH_BYTES", group_rows * 12 * 8)
+        monkeypatch.setattr("pretrain.data.loader.FETCH_BYTES", group_rows * 12 * 8)
     second_stop = first_stop + 2
     pieces, state = [], None
     for start, stop in ((0, first_stop), (first_stop, second_stop), (second_stop, TOTAL)):
@@ -227,7 +229,7 @@ def test_resume_twice_equals_the_uninterrupted_run(dataset, reference, workers, 
 @pytest.mark.parametrize("stop", [3, 11, 21])
 def test_mid_batch_resume_at_the_same_world_size(dataset, reference, workers, stop, monkeypatch):
     """Micro-batches of 1 are fetched in groups of 8 (test-sized FETCH_BYTES); a stop inside a group resumes."""
-    monkeypatch.setattr("pretrain.data.FETCH_BYTES", 8 * 12 * 8)  # 8 rows of 8 + 4 int64 per task
+    monkeypatch.setattr("pretrain.data.loader.FETCH_BYTES", 8 * 12 * 8)  # 8 rows of 8 + 4 int64 per task
     flat_reference = sum(reference, [])
     first = make_loader(dataset, micro_batch_size=1, global_batch_size=GLOBAL_BATCH, seed=SEED,
                         num_workers=workers)
@@ -280,12 +282,9 @@ def test_loader_refuses_bad_shapes_and_late_state(dataset):
 
 
 
-def test_reads_a_set_written_by_prep_corpus(tiny_shards, tiny_tokenizer):
+def test_reads_a_set_written_by_prep_corpus(tiny_shards):
     """The session's real `prep corpus` output (Ray, tokenizers): checked, verified and streamed."""
-    from pipeline.common import sha256_file
-
-    real = ShardDataset(tiny_shards, input_length=128, target_length=29,
-                        tokenizer_sha256=sha256_file(tiny_tokenizer), verify=True)
+    real = ShardDataset(tiny_shards, input_length=128, target_length=29, verify=True)
     assert len(real) == real.manifest["totals"]["examples"] > 0
     with make_loader(real, micro_batch_size=4, global_batch_size=16, seed=0, num_workers=2) as loader:
         batch = next(iter(loader))

@@ -16,10 +16,10 @@ import pytest
 
 from pipeline.common import REPO_ROOT, UserError
 from pretrain.cli import main, resolve_config
-from pretrain.model import load_config
+from pretrain.model.t5 import load_config
 from pretrain.preflight import estimate_memory, resolve_vocab_size, run_preflight
 
-from shardgen import write_shard_set  # noqa: E402  (tests/pretrain is on sys.path under pytest)
+from pipeline.synthetic_shards import write_shard_set
 
 
 def config_for(shards, out, *extra):

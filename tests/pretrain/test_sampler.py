@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pipeline.common import UserError
-from pretrain.data import GlobalOrderSampler
+from pretrain.data.sampler import GlobalOrderSampler
 
 
 def take(sampler: GlobalOrderSampler, count: int) -> list[int]:

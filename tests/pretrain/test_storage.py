@@ -7,18 +7,16 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from shardgen import write_shard_set  # noqa: E402
-
-from pipeline.common import UserError  # noqa: E402
-from pretrain.data import ShardDataset, make_loader  # noqa: E402
-from pretrain.storage import cache_path_for, is_url, open_filesystem, resolve_shard_dir  # noqa: E402
+from pipeline.common import UserError
+from pipeline.synthetic_shards import write_shard_set
+from pretrain.data.dataset import ShardDataset
+from pretrain.data.loader import make_loader
+from pretrain.data.storage import cache_path_for, is_url, open_filesystem, resolve_shard_dir
 
 BUCKET = "t5zero-test"
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}

@@ -1,10 +1,11 @@
-"""Synthetic shard sets in the real on-disk format (pipeline.shard_format), for loader tests and the benchmark.
+"""Synthetic shard sets in the real on-disk format (pipeline.shard_format), for the loader's tests and benchmark.
 
     manifest = write_shard_set("tmp/shards", shard_rows=[13, 7, 20], input_length=8, target_length=4)
 
 Row i of the set (in manifest order) carries its own global index in column 0 of both `input_ids` and
 `labels`, so a test can tell exactly which examples a batch holds; the other positions are seeded random
-token ids (non-special, non-sentinel) ending in `</s>`.
+token ids (non-special, non-sentinel) ending in `</s>`. No tokenizer, corpus or Ray is involved: the
+manifest's tokenizer section describes a T5-layout vocabulary of `vocab_size` ids.
 """
 
 from __future__ import annotations
@@ -12,11 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 
-from pipeline.common import atomic_write_json, sha256_file, sha256_json
-from pipeline.shard_format import (FORMAT_VERSION, shard_name, to_record_batch, write_manifest,
-                                   write_shard)
+from pipeline.common import sha256_file, sha256_json
+from pipeline.shard_format import DATA_DIR, FORMAT_VERSION, shard_name, write_manifest, write_shard
 
 EOS_ID = 1
 NUM_SENTINELS = 100
@@ -45,23 +44,16 @@ def write_shard_set(out_dir: str | Path, *, shard_rows: list[int], input_length:
     writer may produce), which the loader must index just as well.
     """
     out_dir = Path(out_dir)
-    (out_dir / "data").mkdir(parents=True, exist_ok=True)
+    (out_dir / DATA_DIR).mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     shards, first_row = [], 0
     for part, rows in enumerate(shard_rows):
         input_ids, labels = synthetic_rows(first_row, rows, input_length, target_length, vocab_size, rng)
         rel = shard_name(0, part)
-        tmp = out_dir / f"{rel}.tmp"
-        if batches_per_shard == 1:
-            write_shard(tmp, input_ids, labels)
-        else:
-            cuts = np.array_split(np.arange(rows), batches_per_shard)
-            schema = to_record_batch(input_ids[:1], labels[:1]).schema
-            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-                for cut in cuts:
-                    writer.write_batch(to_record_batch(input_ids[cut], labels[cut]))
-        tmp.replace(out_dir / rel)
         path = out_dir / rel
+        tmp = path.with_name(path.name + ".tmp")
+        write_shard(tmp, input_ids, labels, record_batches=batches_per_shard)
+        tmp.replace(path)
         shards.append({"path": rel, "rows": rows, "bytes": path.stat().st_size, "sha256": sha256_file(path)})
         first_row += rows
     config = {"input_length": input_length, "target_length": target_length, "raw_length": None,
@@ -81,8 +73,3 @@ def write_shard_set(out_dir: str | Path, *, shard_rows: list[int], input_length:
     }
     write_manifest(out_dir, manifest)
     return manifest
-
-
-def rewrite_manifest(out_dir: str | Path, manifest: dict) -> None:
-    """Replace a set's manifest (tests that corrupt one field)."""
-    atomic_write_json(Path(out_dir) / "manifest.json", manifest)

@@ -17,7 +17,6 @@ from the environment for s3. Cache root: `cache_dir`, else `$T5ZERO_CACHE`, else
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.common import UserError, atomic_write_bytes, sha256_file
-from pipeline.shard_format import FORMAT_VERSION, MANIFEST_NAME, shard_file_problem
+from pipeline.shard_format import MANIFEST_NAME, parse_manifest, shard_file_problem
 
 DEFAULT_CACHE_DIR = "~/.cache/t5zero"
 DOWNLOAD_THREADS = 4
@@ -111,14 +110,11 @@ def _cache_lock(local_dir: Path):
 def _cache_complete(local_dir: Path, *, verify: bool) -> bool:
     """True when the cached manifest exists and every shard it lists is present with its recorded size."""
     manifest_path = local_dir / MANIFEST_NAME
-    if not manifest_path.is_file():
-        return False
     try:
-        manifest = json.loads(manifest_path.read_text())
-        shards = manifest["shards"]
-    except (OSError, ValueError, KeyError, TypeError):
+        manifest = parse_manifest(manifest_path.read_bytes(), manifest_path)
+    except (OSError, UserError):
         return False
-    return all(shard_file_problem(local_dir, s, check_sha=verify) is None for s in shards)
+    return all(shard_file_problem(local_dir, s, check_sha=verify) is None for s in manifest["shards"])
 
 
 def _download_shard_set(url: str, local_dir: Path, storage_options: dict[str, Any] | None) -> None:
@@ -134,15 +130,7 @@ def _download_shard_set(url: str, local_dir: Path, storage_options: dict[str, An
     except Exception as err:  # network, credentials, endpoint: the backend's own exception types vary
         raise UserError(f"{manifest_url}: cannot read ({type(err).__name__}: {err}); check the endpoint "
                         f"(AWS_ENDPOINT_URL) and credentials") from None
-    try:
-        manifest = json.loads(manifest_bytes)
-        shards = manifest["shards"]
-        version = manifest["format_version"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise UserError(f"{manifest_url}: not a shard-set manifest ({err}); rebuild it with `prep corpus`")
-    if version != FORMAT_VERSION:
-        raise UserError(f"{manifest_url}: shard format version {version}, this tool reads {FORMAT_VERSION}; "
-                        f"rebuild the shard set with this version of `prep corpus`")
+    shards = parse_manifest(manifest_bytes, manifest_url)["shards"]
     for shard in shards:
         rel = Path(shard["path"])
         if rel.is_absolute() or ".." in rel.parts:
