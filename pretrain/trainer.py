@@ -1,6 +1,6 @@
 """One rank of a `pretrain` run: DeepSpeed engine, shard loader, the instrumented step loop and its hooks.
 
-    run_rank(config, plan, rank_env())     # called by pretrain.launch in every rank process
+    run_rank(config, plan, rank_env())     # called by pretrain.cli in every rank process
 
 The loop is a step generator (levanter-style): `steps()` yields one record per optimizer step and the hooks
 (metrics log, checkpointing) run on each record. A step pulls `grad_accum` micro-batches; the time blocked
@@ -24,6 +24,7 @@ from torch.profiler import record_function
 
 from pipeline.common import REPO_ROOT, UserError, atomic_write_json
 from pretrain import checkpoint as ckpt
+from pretrain.ranks import launch_t0
 from pretrain.metrics import MetricsLog, host_peak_rss_gib, peak_tflops_for, summarize, write_summary
 
 
@@ -65,8 +66,7 @@ def git_revision() -> str:
 
 def init_rank(local_rank: int, local_world_size: int, log_level: int = logging.WARNING) -> None:
     """This rank's DeepSpeed process group (gloo on CPU, nccl on GPU): DeepSpeed's log level, the rank's device
-    (on CPU its share of the host's threads), then `deepspeed.init_distributed`. Also used by the measuring
-    scripts (scripts/zero3_trace.py, scripts/zero3_overhead.py), so that they run ranks as pretrain does."""
+    (on CPU its share of the host's threads), then `deepspeed.init_distributed`."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -112,7 +112,6 @@ def fuse_overflow_check(optimizer) -> bool:
 
 def run_rank(config, plan, env) -> int:
     """Initialise the process group (gloo on CPU, nccl on GPU), train, and tear down."""
-    from pretrain.launch import launch_t0
     timeline = Timeline(launch_t0())
     timeline.mark("preflight")   # process start, imports, the preflight again
     init_rank(env.local_rank, env.local_world_size)
@@ -129,7 +128,7 @@ def run_rank(config, plan, env) -> int:
 
 
 class Timeline:
-    """Seconds from the launch's start (`pretrain.launch.launch_t0`) to each start-up phase's end, in order:
+    """Seconds from the launch's start (`pretrain.ranks.launch_t0`) to each start-up phase's end, in order:
     where a launch's fixed cost goes (preflight, process group, model build, engine, loader, first step)."""
 
     def __init__(self, t0: float):
@@ -150,7 +149,8 @@ class Trainer:
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
-        from pretrain.data import ShardDataset, make_loader
+        from pretrain.data.dataset import ShardDataset
+        from pretrain.data.loader import make_loader
         from pretrain.ds_config import build_ds_config, resolve_precision
         self.config, self.plan, self.env = config, plan, env
         self.timeline = timeline
@@ -207,7 +207,7 @@ class Trainer:
                 self.loader.load_state_dict(client["loader"])
                 self.resumed_from = tag
                 self._say(f"[resume] {tag}: step {self.start_step}, loader {client['loader']}")
-        from pretrain.flops import train_step_flops
+        from pretrain.model.flops import train_step_flops
         self.step_flops = train_step_flops(plan.model_config, self.global_batch, plan.input_length,
                                            plan.target_length)
         self.tokens_per_step = self.global_batch * (plan.input_length + plan.target_length)
@@ -251,11 +251,12 @@ class Trainer:
         return tag
 
     def _build_model(self, model_config, seed: int) -> dict[str, Any]:
-        """The seeded model; at ZeRO 3 built partitioned (`pretrain.model.build_partitioned`: no rank ever holds
+        """The seeded model; at ZeRO 3 built partitioned (`pretrain.model.zero3.build_partitioned`: no rank ever holds
         the whole model, the weights are `build`'s bit for bit). Returns {model, method, parameters,
         local_parameters, host_peak_rss_gib}: local_parameters are the elements this rank holds (its partitions
         at ZeRO 3); host_peak_rss_gib is this rank's peak host memory up to the end of the build."""
-        from pretrain.model import build, build_partitioned
+        from pretrain.model.t5 import build
+        from pretrain.model.zero3 import build_partitioned
 
         if self.config.zero == 3:
             model = build_partitioned(model_config, self.ds_config, seed=seed,
@@ -266,13 +267,13 @@ class Trainer:
         else:
             model = build(model_config, seed=seed)
             parameters = local = sum(p.numel() for p in model.parameters())
-            method = "pretrain.model.build (whole model on every rank)"
+            method = "pretrain.model.t5.build (whole model on every rank)"
         return {"model": model, "method": method, "parameters": parameters, "local_parameters": local,
                 "host_peak_rss_gib": round(host_peak_rss_gib(), 3)}   # this rank's host peak so far
 
     def _wait_for_start_gate(self) -> None:
         """Under `study run` with overlap_startup, hold here until the previous point has left the devices."""
-        from pretrain.launch import wait_for_start_gate
+        from pretrain.ranks import wait_for_start_gate
 
         waited = wait_for_start_gate()
         if waited is not None:
@@ -422,8 +423,8 @@ class Trainer:
         """Gather the full weights (ZeRO-3 partitions too) and let rank 0 write them in HF format (fp32)."""
         import deepspeed
 
-        from pretrain.hf import export_hf
-        from pretrain.model import T5Model
+        from pretrain.model.hf import export_hf
+        from pretrain.model.t5 import T5Model
 
         module = self.engine.module
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None,

@@ -1,12 +1,12 @@
-"""Training-step throughput of our T5 (pretrain/model.py) against transformers' T5ForConditionalGeneration.
+"""Training-step throughput of our T5 (pretrain/model/t5.py) against transformers' T5ForConditionalGeneration.
 
     python scripts/bench_model_gpu.py --models mt5-base mt5-large --batch 64 --out /tmp/bench
 
 Pure torch + transformers (no DeepSpeed). Both models hold the same weights (ours built with a seed, HF's
-made from it by pretrain.hf.to_hf), run bf16 parameters with fused AdamW on the same random batch
+made from it by pretrain.model.hf.to_hf), run bf16 parameters with fused AdamW on the same random batch
 (inputs 512, targets 114 by default). One step = zero_grad + forward (loss) + backward + optimizer step.
 Reported per variant: ms/step, tokens/s (input + target tokens), TFLOP/s from the exact count
-(pretrain.flops.train_step_flops), MFU against a bf16 matmul ceiling (8192^3) measured in the same run,
+(pretrain.model.flops.train_step_flops), MFU against a bf16 matmul ceiling (8192^3) measured in the same run,
 peak memory, and speed-up against HF in the same run. The table is printed last; results.json and
 results.md go to --out. `--device cpu --models t5-tiny` is a smoke test.
 
@@ -29,9 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pretrain.flops import count_parameters, train_step_flops  # noqa: E402
-from pretrain.hf import to_hf  # noqa: E402
-from pretrain.model import T5Model, build  # noqa: E402
+from pretrain.model.flops import count_parameters, train_step_flops  # noqa: E402
+from pretrain.model.hf import to_hf  # noqa: E402
+from pretrain.model.t5 import T5Model, build  # noqa: E402
 
 VARIANTS = ("hf", "hf-compile", "ours", "ours-compile", "ours-compile-flex")
 

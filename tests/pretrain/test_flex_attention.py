@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.attention.flex_attention as flex_module
 
-import pretrain.model as model_module
+import pretrain.model.t5 as model_module
 from pipeline.common import UserError
-from pretrain.model import build, load_config
+from pretrain.model.t5 import build, load_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

@@ -6,8 +6,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from pretrain.flops import count_parameters, forward_flops, train_step_flops
-from pretrain.model import T5Config, build, load_config
+from pretrain.model.flops import count_parameters, forward_flops, train_step_flops
+from pretrain.model.t5 import T5Config, build, load_config
 
 
 def test_train_step_flops_match_a_hand_count_for_t5_tiny():

@@ -6,8 +6,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from pretrain.hf import config_from_hf, export_hf, from_hf, hf_config, to_hf, to_hf_names  # noqa: E402
-from pretrain.model import build, load_config  # noqa: E402
+from pretrain.model.hf import config_from_hf, export_hf, from_hf, hf_config, to_hf, to_hf_names  # noqa: E402
+from pretrain.model.t5 import build, load_config  # noqa: E402
 
 
 def perturbed_hf_model(seed=0):

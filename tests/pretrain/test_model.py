@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from pipeline.common import REPO_ROOT, UserError
-from pretrain.model import T5Config, build, list_presets, load_config
+from pretrain.model.t5 import T5Config, build, list_presets, load_config
 
 
 def random_batch(seed, batch=3, input_length=20, target_length=9, high=1000):
@@ -23,7 +23,7 @@ def random_batch(seed, batch=3, input_length=20, target_length=9, high=1000):
 @pytest.fixture(scope="module")
 def real_tokens():
     """Token ids of real English text (this repo's docs and code), from a BPE tokenizer trained here."""
-    text = "\n".join(path.read_text() for path in sorted((REPO_ROOT / "pretrain").glob("*.py")))
+    text = "\n".join(path.read_text() for path in sorted((REPO_ROOT / "pretrain").rglob("*.py")))
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.train_from_iterator([text], trainers.BpeTrainer(vocab_size=900, special_tokens=["<pad>", "</s>", "<unk>"]))
@@ -167,9 +167,14 @@ def test_config_round_trips_through_a_dict():
     assert T5Config(**config.to_dict()) == config
 
 
-def test_model_module_does_not_import_transformers():
-    code = "import sys, pretrain.model; assert 'transformers' not in sys.modules, 'transformers imported'"
+def test_model_modules_do_not_import_transformers_and_the_model_file_no_deepspeed():
+    code = ("import sys, pretrain.model.t5, pretrain.model.zero3, pretrain.model.flops, pretrain.model.memory; "
+            "assert 'transformers' not in sys.modules, 'transformers imported'; "
+            "assert 'deepspeed' not in sys.modules, 'deepspeed imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
+    light = ("import sys, pretrain.model.flops, pretrain.model.memory; "
+             "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", light], check=True, cwd=REPO_ROOT)
 
 
 @pytest.mark.slow

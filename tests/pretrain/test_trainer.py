@@ -134,7 +134,8 @@ import logging, sys, torch, deepspeed
 deepspeed.utils.logger.setLevel(logging.WARNING)
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False    # as pretrain.trainer does on CPU
 deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-from pretrain.model import build, build_partitioned
+from pretrain.model.t5 import build
+from pretrain.model.zero3 import build_partitioned
 for bf16 in (False, True):
     ds_config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": bf16},
                  "zero_optimization": {"stage": 3}}
@@ -155,8 +156,8 @@ torch.distributed.destroy_process_group()
 def test_partitioned_zero3_build_equals_the_plain_build_bit_for_bit(tmp_path):
     """Two gloo ranks build t5-tiny under zero.Init (fp32 and bf16 params); gathered, every tensor equals
     `build`'s for the same seed exactly, while each rank held only its half."""
-    from pretrain.launch import free_port
-    from pretrain.model import build
+    from pretrain.ranks import free_port
+    from pretrain.model.t5 import build
 
     script = tmp_path / "check.py"
     script.write_text(PARTITIONED_BUILD_CHECK)

@@ -1,4 +1,4 @@
-"""Exact matmul FLOPs of a T5 v1.1 / mT5 training step and exact parameter counts (no model is allocated).
+"""Exact matmul FLOPs of a T5 v1.1 / mT5 training step and exact parameter counts (no model is allocated, no torch).
 
     train_step_flops(load_config("mt5-large"), batch_size=64, input_length=512, target_length=114)
 
@@ -11,7 +11,10 @@ is not subtracted: the kernels compute the full score matrix). A training step =
 
 from __future__ import annotations
 
-from pretrain.model import T5Config
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # annotations only: counting needs no torch
+    from pretrain.model.t5 import T5Config
 
 
 def _linear(tokens: int, d_in: int, d_out: int) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from pipeline.common import UserError
-from pretrain.model import T5Config, T5Model
+from pretrain.model.t5 import T5Config, T5Model
 
 _CONFIG_FIELDS = ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
                   "relative_attention_num_buckets", "relative_attention_max_distance", "dropout_rate",

@@ -1,4 +1,4 @@
-"""T5 v1.1 / mT5 encoder-decoder in plain PyTorch, readable top to bottom (one config, one file).
+"""T5 v1.1 / mT5 encoder-decoder in plain PyTorch, readable top to bottom: config, presets, layers, loss, model.
 
     model = build("mt5-base", seed=0); loss = model(input_ids, labels=labels)
 
@@ -12,7 +12,8 @@ which adds the bias inside its kernel (`flex_self_attention`). The loss never ma
 logits: it walks the target tokens in chunks and computes logits, cross-entropy and their gradients chunk by chunk.
 
 Weights are stored fused where that saves kernel launches (q|k|v, k|v of cross-attention, wi_0|wi_1);
-`pretrain/hf.py` maps them to and from HF's names. This module must not import `transformers`.
+`pretrain/model/hf.py` maps them to and from HF's names. This module imports neither `transformers` nor
+`deepspeed`: the ZeRO-3 partitioned build is `pretrain/model/zero3.py`.
 """
 
 from __future__ import annotations
@@ -474,7 +475,7 @@ class T5Model(nn.Module):
         run the compiled graphs' autograd on CPU with "aot_eager", where Inductor has no FlexAttention backward.)
 
         The forward is compiled, not the module call: module hooks stay outside the graphs. ZeRO 3 gathers a block's
-        parameters in such hooks (a block is its unit of gathering, see `build_partitioned`), so the compiled
+        parameters in such hooks (a block is its unit of gathering, see `zero3.build_partitioned`), so the compiled
         forward runs on whole weights and the same graphs serve every stage."""
         for stack in (self.encoder, self.decoder):
             for block in stack.blocks:
@@ -485,7 +486,7 @@ class T5Model(nn.Module):
     def init_plan(self):
         """(module, fill) pairs in the fixed order of the initialisation draws; `fill(module, normal)` writes the
         module's own parameters, drawing through `normal(tensor, std)`. The one definition of the init, used by
-        the plain build (`init_weights`) and the ZeRO-3 partitioned build (`build_partitioned`).
+        the plain build (`init_weights`) and the ZeRO-3 partitioned build (`zero3.build_partitioned`).
 
         Embeddings N(0, 1); q N(0, (d_model*d_kv)^-1/2); k, v N(0, d_model^-1/2); o N(0, (heads*d_kv)^-1/2);
         wi N(0, d_model^-1/2); wo N(0, d_ff^-1/2); position bias N(0, d_model^-1/2); norms 1. The untied LM
@@ -539,6 +540,7 @@ def seeded_normal(generator: torch.Generator):
 
 
 def resolve_config(preset_or_config: str | T5Config, **overrides) -> T5Config:
+    """The T5Config of a preset name (or YAML path) or of a given T5Config, with `overrides` applied."""
     if isinstance(preset_or_config, T5Config):
         return dataclasses.replace(preset_or_config, **overrides) if overrides else preset_or_config
     return load_config(preset_or_config, **overrides)
@@ -548,46 +550,4 @@ def build(preset_or_config: str | T5Config, seed: int = 0, **overrides) -> T5Mod
     """A freshly initialised model from a preset name (or YAML path) or a T5Config; init seeded by `seed`."""
     model = T5Model(resolve_config(preset_or_config, **overrides))
     model.init_weights(torch.Generator().manual_seed(seed))
-    return model
-
-
-GATHER_UNITS = {"block": Block, "stack": Stack}   # ZeRO 3's unit of gathering, by pretrain --stage3-gather-unit
-
-
-def build_partitioned(preset_or_config: str | T5Config, ds_config: dict, seed: int = 0, gather_unit: str = "block",
-                      **overrides) -> T5Model:
-    """`build` for ZeRO 3 without a full copy per rank: the model is constructed under
-    `deepspeed.zero.Init(config_dict_or_path=ds_config)`, so every parameter is partitioned over the ranks (or
-    offloaded, as ds_config says) as soon as its module exists. The weights are then the ones `build` gives
-    for the same seed, bit for bit: module by module in `init_plan` order, rank 0 gathers the module's
-    parameters, draws them from the seeded generator exactly as `build` does, and DeepSpeed broadcasts and
-    re-partitions them (GatheredParameters with modifier_rank=0). At most one module is whole at a time (the
-    largest: the embedding or the LM head). Needs torch.distributed initialised (every rank calls this).
-
-    Every `Block` is then marked a ZeRO-3 leaf module (`deepspeed.utils.set_z3_leaf_modules`): the engine hooks,
-    traces and gathers a block as one unit instead of each of its 8 (encoder) or 13 (decoder) submodules. ZeRO 3
-    otherwise runs its Python fetch/release hooks around every module in forward and backward: 563 hooked modules
-    in mt5-large against 59 now, a host-side cost that grows with the module count, not the model's width; on
-    CPU it made stage 3 run at half of stage 2's speed while every parameter was prefetched and gathered once
-    (scripts/zero3_trace.py shows both; see docs/pretrain.md). Weights, math and partitioning are unchanged; a
-    block (at most 1/50 of a model) is only the unit of gathering. `gather_unit="stack"` makes each whole encoder
-    or decoder stack the unit instead (fewer hooks still, but half of the blocks' weights whole at once: 0.8 GB
-    bf16 for mt5-large, 11 GB for mt5-xxl); a trial setting: on 2 H200s it beat blocks only while ZeRO 3 still used
-    DeepSpeed's linear (0.73x against 0.67x ZeRO 2; docs/study/h200x2-pretrain/README.md)."""
-    if gather_unit not in GATHER_UNITS:
-        raise UserError(f"ZeRO-3 gather unit must be one of {tuple(GATHER_UNITS)}, got {gather_unit!r}")
-    import deepspeed
-    import torch.distributed as dist
-
-    config = resolve_config(preset_or_config, **overrides)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config):
-        model = T5Model(config)
-    writer = dist.get_rank() == 0
-    normal = seeded_normal(torch.Generator().manual_seed(seed))
-    with torch.no_grad():
-        for module, fill in model.init_plan():
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
-                if writer:
-                    fill(module, normal)
-    deepspeed.utils.set_z3_leaf_modules(model, [GATHER_UNITS[gather_unit]])
     return model

@@ -1,0 +1,52 @@
+"""The model under ZeRO 3: built partitioned over the ranks, and gathered a block (or a stack) at a time.
+
+    model = build_partitioned("mt5-large", ds_config, seed=0)   # every rank, torch.distributed initialised
+
+Kept out of `t5.py` so that the model file knows no engine; `deepspeed` is imported on first use. The invariants
+it keeps: docs/model.md ("Under ZeRO 3"); why a block is the unit of gathering: docs/pretrain.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.common import UserError
+from pretrain.model.t5 import Block, Stack, T5Config, T5Model, resolve_config, seeded_normal
+
+GATHER_UNITS = {"block": Block, "stack": Stack}   # ZeRO 3's unit of gathering, by pretrain --stage3-gather-unit
+
+
+def build_partitioned(preset_or_config: str | T5Config, ds_config: dict, seed: int = 0, gather_unit: str = "block",
+                      **overrides) -> T5Model:
+    """`build` for ZeRO 3 without a full copy per rank: the model is constructed under
+    `deepspeed.zero.Init(config_dict_or_path=ds_config)`, so every parameter is partitioned over the ranks (or
+    offloaded, as ds_config says) as soon as its module exists. The weights are then the ones `build` gives
+    for the same seed, bit for bit: module by module in `init_plan` order, rank 0 gathers the module's
+    parameters, draws them from the seeded generator exactly as `build` does, and DeepSpeed broadcasts and
+    re-partitions them (GatheredParameters with modifier_rank=0). At most one module is whole at a time (the
+    largest: the embedding or the LM head). Needs torch.distributed initialised (every rank calls this).
+
+    Every `Block` is then marked a ZeRO-3 leaf module (`deepspeed.utils.set_z3_leaf_modules`): the engine hooks,
+    traces and gathers a block as one unit instead of each of its 8 (encoder) or 13 (decoder) submodules, whose
+    Python fetch/release hooks otherwise cost host time per module (hooked modules: those outside the blocks,
+    the blocks included). Weights, math and partitioning are unchanged; a block (at most 1/50 of a model) is only
+    the unit of gathering. `gather_unit="stack"` makes each whole encoder or decoder stack the unit instead
+    (fewer hooks still, but half of the blocks' weights whole at once: 0.8 GB bf16 for mt5-large, 11 GB for
+    mt5-xxl); a trial setting (measured in docs/pretrain.md)."""
+    if gather_unit not in GATHER_UNITS:
+        raise UserError(f"ZeRO-3 gather unit must be one of {tuple(GATHER_UNITS)}, got {gather_unit!r}")
+    import deepspeed
+    import torch.distributed as dist
+
+    config = resolve_config(preset_or_config, **overrides)
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = T5Model(config)
+    writer = dist.get_rank() == 0
+    normal = seeded_normal(torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        for module, fill in model.init_plan():
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+                if writer:
+                    fill(module, normal)
+    deepspeed.utils.set_z3_leaf_modules(model, [GATHER_UNITS[gather_unit]])
+    return model
