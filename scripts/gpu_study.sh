@@ -15,9 +15,9 @@ NAME=gpu_study; source scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__, "gpus", torch.cuda.device_count())' 2>&1 | grep -v WARNING
 STUDY=${STUDY_DIR:-.gpu/studies/$(basename "$GRID" .yaml)}
-timeout -s INT -k 30 "$SECONDS_FOR_STUDY" python3 -m pretrain.study_cli run "$GRID" --data "$DATA" --out "$STUDY" 2>&1 \
+timeout -s INT -k 30 "$SECONDS_FOR_STUDY" python3 -m pretrain.study.cli run "$GRID" --data "$DATA" --out "$STUDY" 2>&1 \
   | grep -v 'real_accelerator.py' | tee "$DEST/study.log"
-python3 -m pretrain.study_cli report "$STUDY" 2>&1 | tee -a "$DEST/study.log"
+python3 -m pretrain.study.cli report "$STUDY" 2>&1 | tee -a "$DEST/study.log"
 cp "$STUDY"/results.csv "$STUDY"/report.md "$STUDY"/*.png "$DEST"/ 2>/dev/null
 tar -czf "$DEST/runs.tar.gz" -C "$STUDY" --exclude='checkpoints' --exclude='tb' study.json runs 2>/dev/null
 ls -la "$DEST"

@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.image  # noqa: E402
 import pytest  # noqa: E402
 
-from pretrain import report  # noqa: E402
+from pretrain.study import plots, report, results  # noqa: E402
 
 ASSET = Path(__file__).resolve().parents[1] / "assets" / "study_results.csv"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -24,15 +24,15 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def rows():
-    return report.read_results_csv(ASSET)
+    return results.read_results_csv(ASSET)
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """`study report DIR` run as a user would, on a directory holding only the fixed results.csv."""
     study_dir = tmp_path_factory.mktemp("study")
-    shutil.copy(ASSET, study_dir / report.RESULTS_CSV)
-    result = subprocess.run([sys.executable, "-m", "pretrain.study_cli", "report", str(study_dir)],
+    shutil.copy(ASSET, study_dir / results.RESULTS_CSV)
+    result = subprocess.run([sys.executable, "-m", "pretrain.study.cli", "report", str(study_dir)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return study_dir, result
@@ -45,8 +45,8 @@ def test_csv_round_trip_keeps_types_and_values(rows, tmp_path):
     assert first["activation_checkpointing"] is False and first["tokens_per_s"] == pytest.approx(56513.0)
     oom = [r for r in rows if r["status"] == "oom"]
     assert len(oom) == 3 and all(r["tokens_per_s"] is None for r in oom)
-    report.write_results_csv(rows, tmp_path / "again.csv")
-    assert report.read_results_csv(tmp_path / "again.csv") == rows
+    results.write_results_csv(rows, tmp_path / "again.csv")
+    assert results.read_results_csv(tmp_path / "again.csv") == rows
 
 
 def test_table_and_stage_comparison_values(rows):
@@ -111,17 +111,17 @@ def test_study_report_cli_writes_markdown_and_valid_pngs(built):
         assert heading in markdown
     assert "36 points: 32 ok, 3 oom, 1 timeout." in markdown
     assert "rebuilt from results.csv alone" in markdown
-    for name in report.PLOTS.values():
+    for name in plots.PLOTS.values():
         path = study_dir / name
         assert path.read_bytes()[:8] == PNG_SIGNATURE
         image = matplotlib.image.imread(path)
         assert image.shape[0] > 200 and image.shape[1] > 300 and image.std() > 0.01   # not blank
         assert f"]({name})" in markdown
-    assert report.read_results_csv(study_dir / report.RESULTS_CSV) == report.read_results_csv(ASSET)
+    assert results.read_results_csv(study_dir / results.RESULTS_CSV) == results.read_results_csv(ASSET)
 
 
 def test_report_cli_refuses_an_empty_directory(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "pretrain.study_cli", "report", str(tmp_path)],
+    result = subprocess.run([sys.executable, "-m", "pretrain.study.cli", "report", str(tmp_path)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "study run" in result.stderr and "Traceback" not in result.stderr

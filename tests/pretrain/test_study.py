@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +18,10 @@ import pytest
 import yaml
 
 from pipeline.common import CONFIGS_DIR, UserError
-from pretrain import study
+from pretrain.study import results
+from pretrain.study.grid import load_grid
 
-STUDY_CLI = [sys.executable, "-m", "pretrain.study_cli"]
+STUDY_CLI = [sys.executable, "-m", "pretrain.study.cli"]
 
 
 def write_grid(path: Path, **sections) -> Path:
@@ -42,18 +44,19 @@ def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 # ------------------------------------------------------------------------------------------------ grid files
 
 def test_exclude_and_include_rules(tmp_path):
-    grid = study.load_grid(write_grid(
+    grid = load_grid(write_grid(
         tmp_path / "g.yaml", grid={"zero": [0, 1, 2, 3], "offload": ["none", "cpu"], "loader_workers": [0, 2]},
         exclude=[{"zero": [0, 1], "offload": "cpu"}],
-        include=[{"zero": 3, "offload": "nvme", "micro_batch": [1, 4]}]))
+        include=[{"zero": 3, "offload": "nvme", "micro_batch": [1, 4]}],
+        base={"nvme_path": str(tmp_path / "nvme")}))       # the nvme points are checked as pretrain would
     points = grid.points()
-    ids = [p.point_id for p in points]
+    ids = [grid.point_id(p) for p in points]
     assert len(ids) == len(set(ids)) == (2 + 2 + 4 + 4) + 2        # stages 0-1 without offload, 2-3 with both, +2
     assert not any(p.offload == "cpu" and p.zero < 2 for p in points)
     nvme = [p for p in points if p.offload == "nvme"]
     assert sorted(p.micro_batch for p in nvme) == [1, 4] and {p.loader_workers for p in nvme} == {0}
     assert "t5-tiny-z2-cpu-mb2-w2-n2" in ids
-    assert points[0].label == "t5-tiny zero=0 offload=none mb=2 w=0 n=2"
+    assert grid.label(points[0]) == "t5-tiny zero=0 offload=none mb=2 w=0 n=2"
 
 
 @pytest.mark.parametrize("sections, message", [
@@ -62,24 +65,39 @@ def test_exclude_and_include_rules(tmp_path):
     ({"base": {"warmup": 1}}, "unknown base settings ['warmup']"),
     ({"grid": {"offload": "disk"}}, "offload must be one of"),
     ({"exclude": [{"zero": 2}]}, "no points left after exclude"),
+    # every point is a TrainConfig, checked when the grid is read: a bad value names the point
+    ({"grid": {"zero": [2, 5]}}, "point t5-tiny-z5-none-mb2-w0-n2: --zero must be one of 0, 1, 2, 3"),
+    ({"grid": {"zero": [0, 2], "offload": "cpu"}}, "point t5-tiny-z0-cpu-mb2-w0-n2: --offload needs ZeRO stage 1"),
+    ({"grid": {"lr": [0.001, "fast"]}}, "lr must be float, got 'fast'"),
+    ({"base": {"extra_args": ["--compile"]}}, "`compile: true` for --compile"),
+    ({"base": {"out": "runs/x"}}, "unknown base settings ['out']"),
+    ({"base": {"zero": 2}, "grid": {"zero": [0, 1]}}, "['zero'] in both base and grid"),
 ])
 def test_bad_grid_files_name_the_file_and_the_fix(tmp_path, sections, message):
     path = write_grid(tmp_path / "bad.yaml", **sections)
     with pytest.raises(UserError, match=str(path)) as err:
-        study.load_grid(path)
+        load_grid(path)
     assert message in str(err.value)
 
 
+def test_dry_run_refuses_a_bad_point_before_anything_runs(tmp_path):
+    path = write_grid(tmp_path / "bad.yaml", grid={"zero": [1, 0], "offload": "cpu"})
+    result = run_cli("run", str(path), "--out", str(tmp_path / "study"), "--dry-run")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert f"{path}: point t5-tiny-z0-cpu-mb2-w0-n2: --offload needs ZeRO stage 1" in result.stderr
+    assert not (tmp_path / "study").exists()
+
+
 def test_shipped_grids():
-    tiny = study.load_grid(CONFIGS_DIR / "study" / "cpu-tiny.yaml").points()
+    tiny = load_grid(CONFIGS_DIR / "study" / "cpu-tiny.yaml").points()
     assert len(tiny) == 8 and {p.zero for p in tiny} == {0, 1, 2, 3} and {p.loader_workers for p in tiny} == {0, 2}
     assert {(p.model, p.nproc) for p in tiny} == {("t5-tiny", 2)}
-    x2 = study.load_grid(CONFIGS_DIR / "study" / "h200x2.yaml").points()
+    x2 = load_grid(CONFIGS_DIR / "study" / "h200x2.yaml").points()
     assert {p.model for p in x2} == {"mt5-base", "mt5-large"} and {p.nproc for p in x2} == {2}
     assert {(p.zero, p.offload) for p in x2} == {(0, "none"), (1, "none"), (2, "none"), (3, "none"),
                                                  (2, "cpu"), (3, "cpu")}
     assert {p.loader_workers for p in x2} == {0, 1, 4} and len(x2) == 36
-    x8 = study.load_grid(CONFIGS_DIR / "study" / "h200x8.yaml").points()
+    x8 = load_grid(CONFIGS_DIR / "study" / "h200x8.yaml").points()
     assert {(p.model, p.zero, p.offload) for p in x8} == {
         ("mt5-xl", 1, "none"), ("mt5-xl", 2, "none"), ("mt5-xl", 3, "none"),
         ("mt5-xxl", 2, "none"), ("mt5-xxl", 2, "cpu"), ("mt5-xxl", 3, "none"), ("mt5-xxl", 3, "cpu")}
@@ -92,7 +110,7 @@ def test_steady_state_medians_leave_out_the_warmup_steps():
                 "peak_mem_gib": m, "grad_accum": 2}
                for s, t, st, w, m in [(1, 10.0, 9.0, 4.0, 3.0), (2, 100.0, 1.0, 0.0, 1.0),
                                       (3, 120.0, 1.0, 0.1, 1.5), (4, 110.0, 2.0, 0.5, 1.2)]]
-    medians = study.summarize_metrics(metrics, skip_steps=1)
+    medians = results.summarize_metrics(metrics, skip_steps=1)
     assert medians["tokens_per_s"] == 110.0 and medians["step_time_s"] == 1.0
     assert medians["data_wait_share"] == pytest.approx(0.6 / 4.0)  # total wait / total step time, steps 2-4
     assert medians["peak_mem_gib"] == 3.0                          # the peak over every step, warm-up included
@@ -104,11 +122,11 @@ def test_steady_state_medians_leave_out_the_warmup_steps():
 def test_study_refuses_a_second_shard_set(tiny_shards, tmp_path):
     out = tmp_path / "study"
     out.mkdir()
-    (out / study.STUDY_FILE).write_text(json.dumps({"fingerprint": "0" * 64, "shards": "shards/other"}))
+    (out / results.STUDY_FILE).write_text(json.dumps({"fingerprint": "0" * 64, "shards": "shards/other"}))
     result = run_cli("run", str(write_grid(tmp_path / "g.yaml")), "--out", str(out), "--data", str(tiny_shards))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "000000000000 (shards/other)" in result.stderr and "another --out" in result.stderr
-    assert not (out / study.RUNS_DIR).exists()
+    assert not (out / results.RUNS_DIR).exists()
 
 
 def test_sweep_records_failures_goes_on_and_skips_finished_points(tiny_shards, tmp_path):
@@ -143,12 +161,12 @@ def test_sweep_records_failures_goes_on_and_skips_finished_points(tiny_shards, t
     assert (ok["zero"], ok["nproc"], ok["global_batch"], ok["grad_accum"]) == ("2", "2", "8", "2")
     assert float(ok["est_gpu_gib"] or 0) >= 0 and ok["est_method"]
     assert 0 <= float(ok["data_wait_share"]) < 1
-    state = json.loads((out / study.STUDY_FILE).read_text())
+    state = json.loads((out / results.STUDY_FILE).read_text())
     manifest = json.loads((Path(tiny_shards) / "manifest.json").read_text())
     assert state["fingerprint"] == manifest["fingerprint"] and manifest["fingerprint"] in (out / "report.md").read_text()
     assert all((out / name).stat().st_size > 0 for name in ("throughput.png", "memory.png", "data_wait.png",
                                                             "step_time.png"))
-    ok_mtime = (out / "runs" / ok["point_id"] / study.POINT_FILE).stat().st_mtime_ns
+    ok_mtime = (out / "runs" / ok["point_id"] / results.POINT_FILE).stat().st_mtime_ns
 
     again = run_cli("run", str(grid_path), "--out", str(out), "--data", str(tiny_shards))
     assert again.returncode == 0
@@ -160,8 +178,8 @@ def test_sweep_records_failures_goes_on_and_skips_finished_points(tiny_shards, t
     assert "[2/3] t5-tiny zero=2 offload=none mb=2 w=0 n=2 ... skipped (ok earlier)" in retry.stdout
     assert "[3/3] mt5-xxl zero=2 offload=none mb=2 w=0 n=2 ... OOM" in retry.stdout
     assert "(1 skipped as finished, 2 launched)" in retry.stdout
-    assert (out / "runs" / ok["point_id"] / study.POINT_FILE).stat().st_mtime_ns == ok_mtime
-    assert len(state["commands"]) == 1 and len(json.loads((out / study.STUDY_FILE).read_text())["commands"]) == 3
+    assert (out / "runs" / ok["point_id"] / results.POINT_FILE).stat().st_mtime_ns == ok_mtime
+    assert len(state["commands"]) == 1 and len(json.loads((out / results.STUDY_FILE).read_text())["commands"]) == 3
 
 
 def test_a_point_past_its_timeout_is_stopped_and_recorded(tiny_shards, tmp_path):
@@ -172,7 +190,7 @@ def test_a_point_past_its_timeout_is_stopped_and_recorded(tiny_shards, tmp_path)
     assert result.returncode == 1                       # no point finished
     assert "TIMEOUT: no result within timeout_s=15" in result.stdout
     run_dir = out / "runs" / "t5-tiny-z2-none-mb2-w0-n2"
-    record = json.loads((run_dir / study.POINT_FILE).read_text())
+    record = json.loads((run_dir / results.POINT_FILE).read_text())
     assert record["status"] == "timeout" and record["wall_s"] < 75
     assert (run_dir / "logs" / "rank-1.log").is_file()  # the ranks had started
     # Nothing of the launch is left running: no process still has the run dir on its command line.
@@ -200,3 +218,37 @@ def test_the_cpu_demo_grid_end_to_end(tmp_path):
     assert {(r["zero"], r["loader_workers"]) for r in rows} == {(str(z), str(w)) for z in range(4) for w in (0, 2)}
     assert all(float(r["tokens_per_s"]) > 0 and r["steps_measured"] == "25" for r in rows)
     assert "fastest that fits is ZeRO-" in (out / "report.md").read_text()
+
+
+def test_any_pretrain_setting_is_an_axis_and_a_column(tiny_shards, tmp_path):
+    """lr is named nowhere in the study's code: a TrainConfig field is an axis, a point-id suffix, a point.yaml
+    key the launch reads, and a results.csv column, with no edit to the study."""
+    study_code = "\n".join(p.read_text() for p in Path(results.__file__).parent.glob("*.py"))
+    assert not re.search(r"\blr\b", study_code)
+    grid_path = write_grid(tmp_path / "grid.yaml", base={"steps": 3, "skip_steps": 1, "global_batch": 4},
+                           grid={"lr": [0.001, 0.002], "nproc": 1})
+    grid = load_grid(grid_path)
+    ids = [grid.point_id(p) for p in grid.points()]
+    assert ids == ["t5-tiny-z2-none-mb2-w0-n1-lr0.001", "t5-tiny-z2-none-mb2-w0-n1-lr0.002"]
+    assert grid.label(grid.points()[1]) == "t5-tiny zero=2 offload=none mb=2 w=0 n=1 lr=0.002"
+
+    out = tmp_path / "study"
+    result = run_cli("run", str(grid_path), "--out", str(out), "--data", str(tiny_shards))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 points: 2 ok" in result.stdout
+    with open(out / "results.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert reader.fieldnames[:9] == ["point_id", "model", "zero", "offload", "micro_batch", "loader_workers",
+                                     "nproc", "activation_checkpointing", "lr"]
+    assert [(r["point_id"], r["lr"], r["status"]) for r in rows] == [(ids[0], "0.001", "ok"), (ids[1], "0.002", "ok")]
+    assert [r["lr"] for r in results.read_results_csv(out / "results.csv")] == [0.001, 0.002]
+    assert "| ckpt | lr | status |" in (out / "report.md").read_text()
+    for point_id, lr in zip(ids, (0.001, 0.002)):
+        run_dir = out / results.RUNS_DIR / point_id
+        record = json.loads((run_dir / results.POINT_FILE).read_text())
+        assert record["command"][-2:] == ["--config", str(run_dir / results.POINT_CONFIG)]   # nothing else
+        point = yaml.safe_load((run_dir / results.POINT_CONFIG).read_text())
+        assert (point["lr"], point["data"], point["out"], point["steady_skip"]) == (lr, str(tiny_shards),
+                                                                                 str(run_dir), 1)
+        assert json.loads((run_dir / "config.json").read_text())["train"]["lr"] == lr    # what pretrain ran

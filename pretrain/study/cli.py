@@ -9,6 +9,8 @@ import argparse
 import sys
 
 from pipeline.common import run_cli
+from pretrain.study.results import rebuild_report
+from pretrain.study.runner import run_study
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -17,8 +19,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     A point that fails (out of memory, non-zero exit, timeout) is recorded with its reason and the sweep goes
     on. Rerunning the same command skips finished points (ok or failed); --retry-failed reruns the failed ones.
     """
-    from pretrain.study import run_study
-
     counts = run_study(args.grid, args.out, data=args.data, dry_run=args.dry_run, retry_failed=args.retry_failed,
                        argv=["study", *map(str, sys.argv[1:])] if sys.argv[1:] else None)
     return 0 if args.dry_run or counts.get("ok", 0) > 0 else 1
@@ -26,8 +26,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Rebuild results.csv, report.md and the plots of STUDY_DIR from its run dirs (or from its results.csv)."""
-    from pretrain.study import rebuild_report
-
     written = rebuild_report(args.study_dir)
     print(f"results: {written['csv']}\nreport:  {written['md']}\nplots:   "
           + ", ".join(str(p) for p in written["plots"]))
@@ -42,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("grid", help="grid file (YAML), e.g. configs/study/cpu-tiny.yaml")
     run.add_argument("--out", required=True, help="study directory, e.g. studies/cpu-tiny")
     run.add_argument("--data", help="shard set to use instead of the grid's `data` (a prep'd directory)")
-    run.add_argument("--dry-run", action="store_true", help="list the points and their pretrain commands only")
+    run.add_argument("--dry-run", action="store_true", help="list the points, their pretrain commands and settings only")
     run.add_argument("--retry-failed", action="store_true", help="rerun points recorded as failed/oom/timeout")
     run.set_defaults(handler=cmd_run)
     report = commands.add_parser("report", help="rebuild results.csv, report.md and plots",

@@ -1,0 +1,419 @@
+"""The sweep: one real `pretrain --config STUDY/runs/<point-id>/point.yaml` launch per grid point, in order,
+each classified when it ends (ok, failed, oom, timeout) and recorded, then the report rebuilt.
+
+    counts = run_study("configs/study/cpu-tiny.yaml", "studies/cpu-tiny")     # or: study run GRID --out DIR
+
+The shard set is prepared once (`prep tokenizer` / `prep corpus`) when the grid gives a prep spec. Each point's
+settings are written as runs/<point-id>/point.yaml (every TrainConfig field, data and out filled in) and its
+launch's stdout/stderr go to logs/<point-id>.{out,err}; when it ends, runs/<point-id>/study_point.json (status,
+reason, command, the point's settings) is written last, which is what marks the point finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.common import UserError, atomic_write_bytes, atomic_write_json
+from pipeline.settings import to_yaml_values
+from pipeline.shard_format import read_manifest
+from pretrain.config import TrainConfig
+from pretrain.data import storage
+from pretrain.launch import last_error_line
+from pretrain.metrics import read_metrics
+from pretrain.ranks import START_GATE_ENV
+from pretrain.study.grid import SET_BY_STUDY, SKIP_STEPS_KEY, StudyGrid, as_list, load_grid
+from pretrain.study.report import format_rate
+from pretrain.study.results import (FINISHED_STATUSES, POINT_CONFIG, POINT_FILE, RUNS_DIR, STUDY_FILE,
+                                    read_point_record, rebuild_report, summarize_metrics)
+
+LOGS_DIR = "logs"
+CONSOLE_SCRIPT_MODULES = {"pretrain": "pretrain.cli", "prep": "pipeline.cli"}
+
+
+def console_script(name: str) -> list[str]:
+    """The command that runs one of this toolkit's console scripts: the one beside this Python first, then
+    the one on PATH, else this Python running its module (a checkout on PYTHONPATH, as on GPU machines
+    where the project is not pip-installed)."""
+    beside = Path(sys.executable).with_name(name)
+    if beside.is_file():
+        return [str(beside)]
+    found = shutil.which(name)
+    if found:
+        return [found]
+    return [sys.executable, "-m", CONSOLE_SCRIPT_MODULES[name]]
+
+
+def point_command(grid: StudyGrid, config: TrainConfig) -> list[str]:
+    """The launch of one point: the pretrain command and `--config` its point.yaml, nothing else."""
+    return [*(grid.pretrain_command or console_script("pretrain")), "--config", str(Path(config.out) / POINT_CONFIG)]
+
+
+def write_point_config(grid: StudyGrid, config: TrainConfig) -> Path:
+    """runs/<point-id>/point.yaml: every TrainConfig field of the point (the file its launch reads)."""
+    path = Path(config.out) / POINT_CONFIG
+    text = (f"# study {grid.name}, point {grid.point_id(config)} of {grid.source}; launched as "
+            f"`pretrain --config {path}`\n" + yaml.safe_dump(to_yaml_values(config), sort_keys=False))
+    atomic_write_bytes(path, text.encode())
+    return path
+
+
+def shared_settings(grid: StudyGrid, points: list[TrainConfig]) -> dict[str, Any]:
+    """What every point shares, as study.json records it: the study's settings, skip_steps, and each pretrain
+    setting that is no axis (its value in the first point)."""
+    first = dataclasses.asdict(points[0])
+    shared = {name: value for name, value in first.items() if name not in grid.axes and name not in SET_BY_STUDY}
+    if "steady_skip" not in grid.axes:
+        shared[SKIP_STEPS_KEY] = shared["steady_skip"]
+    return {**shared, **dataclasses.asdict(grid.settings)}
+
+
+# ----------------------------------------------------------------------------------------------- shard set
+
+def _prep_flags(spec: dict[str, Any]) -> list[str]:
+    """{input_length: 128, input: [a, b], quiet: true} -> ["--input-length", "128", "--input", "a", "b", "--quiet"]."""
+    flags: list[str] = []
+    for key, value in spec.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value not in (False, None):
+            flags += [flag, *map(str, as_list(value))]
+    return flags
+
+
+def _run_prep(source: Path, subcommand: str, spec: dict[str, Any], out: Path) -> None:
+    command = console_script("prep") + [subcommand, *_prep_flags(spec), "--out", str(out)]
+    print(f"preparing once: {shlex.join(command)}", flush=True)
+    # A local Ray cluster of its own unless the user points elsewhere (ray_address in the spec, or RAY_ADDRESS):
+    # without this, ray.init() joins whatever cluster /tmp/ray/ray_current_cluster names on this machine.
+    env = {**os.environ, "RAY_ADDRESS": os.environ.get("RAY_ADDRESS") or "local", "RAY_USAGE_STATS_ENABLED": "0"}
+    result = subprocess.run(command, stderr=subprocess.PIPE, text=True, env=env)
+    if result.returncode != 0:
+        why = ([line for line in result.stderr.splitlines() if line.strip()] or ["no output"])[-1].strip()
+        raise UserError(f"{source}: `prep {subcommand}` failed ({why}); fix the data spec, or prepare the "
+                        f"shards yourself and pass --data")
+
+
+def shard_location(grid: StudyGrid, study_dir: Path, data_override: str | None) -> str | None:
+    """Where the study's shard set is, or will be once prepared: --data, else the grid's path or URL, else the
+    prep spec's `out` (default STUDY/shards); None when the grid has no data and none was passed."""
+    if data_override:
+        return data_override
+    if grid.data is None or isinstance(grid.data, str):
+        return grid.data
+    return str(grid.data.get("out", study_dir / "shards"))
+
+
+def prepare_shards(grid: StudyGrid, study_dir: Path, data_override: str | None) -> str:
+    """The study's shard set: --data, else the grid's path or URL, else `prep corpus` run once into STUDY/shards.
+
+    In a prep spec, `tokenizer` is a tokenizer.json path, or a mapping of `prep tokenizer` flags
+    ({input: sample, vocab_size: 1024}) that is trained once into STUDY/tokenizer. Other keys are
+    `prep corpus` flags (input_length: 128 -> --input-length 128).
+    """
+    shards = shard_location(grid, study_dir, data_override)
+    if shards is None:
+        raise UserError(f"{grid.source}: no data; add `data: shards/NAME` (or a prep spec) or pass --data SHARDS")
+    if data_override or isinstance(grid.data, str):
+        return shards
+    spec = dict(grid.data)
+    spec.pop("out", None)
+    out = Path(shards)
+    if (out / "manifest.json").is_file():
+        return str(out)
+    if isinstance(spec["tokenizer"], dict):
+        tokenizer_dir = study_dir / "tokenizer"
+        if not (tokenizer_dir / "tokenizer.json").is_file():
+            _run_prep(grid.source, "tokenizer", spec["tokenizer"], tokenizer_dir)
+        spec["tokenizer"] = str(tokenizer_dir / "tokenizer.json")
+    _run_prep(grid.source, "corpus", spec, out)
+    return str(out)
+
+
+def check_study_dir(study_dir: Path, shards: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Load (or start) STUDY/study.json; refuse a second shard set in one study directory."""
+    path = study_dir / STUDY_FILE
+    if path.is_file():
+        state = json.loads(path.read_text())
+        if state["fingerprint"] != manifest["fingerprint"]:
+            raise UserError(f"{path}: this study ran on shard set {state['fingerprint'][:12]} ({state['shards']}), "
+                            f"not {manifest['fingerprint'][:12]} ({shards}); use another --out for other data")
+        return state
+    return {"fingerprint": manifest["fingerprint"], "shards": str(shards), "commands": []}
+
+
+def record_study_start(grid: StudyGrid, points: list[TrainConfig], study_dir: Path, shards: str,
+                       manifest: dict[str, Any], argv: list[str]) -> None:
+    """Write STUDY/study.json: shard set, machine, grid, axes, shared settings, and this command appended."""
+    state = check_study_dir(study_dir, shards, manifest)
+    machine = machine_info()
+    earlier = state.get("machine")
+    if earlier and (earlier.get("gpus"), earlier.get("cpus")) != (machine["gpus"], machine["cpus"]):
+        print(f"note: earlier points of {study_dir} ran on another machine ({earlier.get('cpus')} CPUs, GPUs "
+              f"{earlier.get('gpus') or 'none'}); their rows are not comparable with new ones", flush=True)
+        state["earlier_machines"] = (state.get("earlier_machines") or []) + [earlier]
+    state.update(study=grid.name, grid_file=str(grid.source), grid=yaml.safe_load(grid.source.read_text()),
+                 shard_set=shard_summary(shards, manifest), machine=machine, axes=list(grid.axes),
+                 base=shared_settings(grid, points))
+    state["commands"] = (state.get("commands") or []) + [shlex.join(argv)]
+    atomic_write_json(study_dir / STUDY_FILE, state)
+
+
+def shard_summary(shards: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    config, totals = manifest.get("config", {}), manifest.get("totals", {})
+    return {"path": str(shards), "fingerprint": manifest["fingerprint"],
+            "examples": totals.get("examples"), "shards": totals.get("shards", len(manifest.get("shards", []))),
+            "input_length": config.get("input_length"), "target_length": config.get("target_length"),
+            "tokenizer_sha256": manifest.get("tokenizer", {}).get("sha256"),
+            "vocab_size": manifest.get("tokenizer", {}).get("vocab_size")}
+
+
+def machine_info() -> dict[str, Any]:
+    """What the study ran on: OS, CPUs, RAM, GPUs (nvidia-smi when present), key package versions."""
+    import psutil
+
+    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
+                            "cpus": os.cpu_count(), "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
+                            "gpus": []}
+    if shutil.which("nvidia-smi"):
+        query = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=60)
+        info["gpus"] = [line.strip() for line in query.stdout.splitlines() if line.strip()]
+    for package in ("torch", "deepspeed"):
+        try:
+            info[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            info[package] = None
+    return info
+
+
+# ------------------------------------------------------------------------------------------------ one point
+
+@dataclass
+class PointOutcome:
+    status: str
+    reason: str
+    returncode: int | None
+    wall_s: float
+
+
+def classify(returncode: int | None, timed_out: bool, err_path: Path, run_dir: Path,
+             timeout_s: float) -> tuple[str, str]:
+    """(status, reason) of a finished launch: ok, oom (measured, or refused by the memory preflight),
+    timeout or failed. The reason is pretrain's one-line error (its last stderr line that says why)."""
+    if timed_out:
+        return "timeout", f"no result within timeout_s={timeout_s:g}"
+    reason = last_error_line(err_path)[:400] if returncode != 0 else ""
+    if returncode == 0:
+        summary = run_dir / "summary.json"
+        if not summary.is_file() or not (run_dir / "metrics.jsonl").is_file():
+            return "failed", "exited 0 but wrote no summary.json / metrics.jsonl"
+        status = json.loads(summary.read_text()).get("status")
+        return ("ok", "") if status == "ok" else ("failed", f"summary.json status {status!r}")
+    if re.search(r"out of memory|outofmemory|\boom\b|cannot allocate memory|will not fit", reason, re.IGNORECASE):
+        return "oom", reason or "out of memory"
+    return "failed", reason or f"exit status {returncode}"
+
+
+def _steps_done(metrics_path: Path) -> int:
+    try:
+        with open(metrics_path, "rb") as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Stop a launched point (its own process group, by id): SIGINT first, which pretrain turns into stopping
+    the ranks it spawned (they run in their own sessions), then SIGTERM, then SIGKILL."""
+    if process.poll() is not None:
+        return
+    for sig, wait_s in ((signal.SIGINT, 20.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+class PointLaunch:
+    """One running `pretrain` launch of a point; stdout/stderr go to log_dir/<id>.{out,err}.
+
+    With `gate` (overlap_startup), the launch starts early: its ranks do their host-side start-up (imports,
+    preflight, the model build) and wait for the gate file, which `open_gate()` creates once the devices are
+    free. The wall time and the timeout count from the gate's opening."""
+
+    def __init__(self, command: list[str], run_dir: Path, log_dir: Path, gate: Path | None = None):
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir, self.gate = run_dir, gate
+        self.err_path = log_dir / f"{run_dir.name}.err"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if gate is not None:
+            gate.unlink(missing_ok=True)
+            env[START_GATE_ENV] = str(gate)
+        self.launched = time.monotonic()
+        self.started = self.launched if gate is None else None
+        with open(log_dir / f"{run_dir.name}.out", "wb") as out_log, open(self.err_path, "wb") as err_log:
+            self.process = subprocess.Popen(command, stdout=out_log, stderr=err_log, start_new_session=True,
+                                            env=env)
+
+    def open_gate(self) -> float:
+        """Let the launch use the devices; returns the seconds of its start-up that ran ahead of the gate."""
+        self.started = time.monotonic()
+        if self.gate is not None:
+            self.gate.parent.mkdir(parents=True, exist_ok=True)
+            self.gate.touch()
+        return self.started - self.launched
+
+    def wait(self, timeout_s: float, steps: int, prefix: str) -> PointOutcome:
+        """Wait for the launch to end (stopping it past timeout_s) and classify how it ended."""
+        if self.started is None:
+            self.open_gate()
+        live = sys.stdout.isatty()
+        timed_out = False
+        try:
+            while True:
+                try:
+                    self.process.wait(timeout=2.0)
+                    break
+                except subprocess.TimeoutExpired:
+                    elapsed = time.monotonic() - self.started
+                    if elapsed > timeout_s:
+                        timed_out = True
+                        _stop(self.process)
+                        break
+                    if live:
+                        done = _steps_done(self.run_dir / "metrics.jsonl")
+                        print(f"\r{prefix} ... step {done}/{steps} {elapsed:.0f}s", end="", flush=True)
+        finally:
+            self.stop()
+        status, reason = classify(self.process.returncode, timed_out, self.err_path, self.run_dir, timeout_s)
+        return PointOutcome(status, reason, self.process.returncode, time.monotonic() - self.started)
+
+    def stop(self) -> None:
+        _stop(self.process)
+        if self.gate is not None:
+            self.gate.unlink(missing_ok=True)
+
+
+
+
+# ----------------------------------------------------------------------------------------------- the sweep
+
+def _dry_run(grid: StudyGrid, points: list[TrainConfig], runs: Path) -> dict[str, Any]:
+    """List the points, their launches and the settings each sets off its default; prepare and launch nothing."""
+    defaults = to_yaml_values(TrainConfig(data="-", out="-"))
+    for index, config in enumerate(points, 1):
+        record = read_point_record(runs / grid.point_id(config))
+        state = f"  [done: {record['status']}]" if record else ""
+        settings = " ".join(f"{name}={value}" for name, value in to_yaml_values(config).items()
+                            if value != defaults[name] and name not in SET_BY_STUDY)
+        print(f"[{index}/{len(points)}] {grid.label(config)}{state}\n    {shlex.join(point_command(grid, config))}"
+              f"\n    point.yaml: {settings}")
+    print(f"dry run: {len(points)} points, nothing launched")
+    return {"points": len(points), "launched": 0}
+
+
+def run_study(grid_path: str | os.PathLike, study_dir: str | os.PathLike, *, data: str | None = None,
+              dry_run: bool = False, retry_failed: bool = False, argv: list[str] | None = None) -> dict[str, Any]:
+    """Run every unfinished point of a grid, then rebuild results.csv, report.md and the plots.
+
+    Returns counts {points, ok, failed, oom, timeout, skipped, launched}.
+    """
+    grid = load_grid(grid_path)
+    study_dir = Path(study_dir)
+    runs = study_dir / RUNS_DIR
+    if dry_run:
+        return _dry_run(grid, grid.points(shard_location(grid, study_dir, data) or "SHARDS", runs), runs)
+
+    shards = prepare_shards(grid, study_dir, data)
+    points = grid.points(shards, runs)
+    # A URL (s3://...) is fetched once into the shared cache, which every launch then reuses.
+    manifest = read_manifest(storage.resolve_shard_dir(shards))
+    record_study_start(grid, points, study_dir, shards, manifest,
+                       argv or ["study", "run", str(grid_path), "--out", str(study_dir)])
+
+    counts = {status: 0 for status in FINISHED_STATUSES} | {"points": len(points), "skipped": 0, "launched": 0}
+    sweep_start = time.monotonic()
+    todo: list[tuple[int, TrainConfig]] = []
+    for index, config in enumerate(points, 1):
+        previous = read_point_record(Path(config.out))
+        if previous and (previous["status"] == "ok" or not retry_failed):
+            counts["skipped"] += 1
+            counts[previous["status"]] += 1
+            print(f"[{index}/{len(points)}] {grid.label(config)} ... skipped ({previous['status']} earlier)",
+                  flush=True)
+        else:
+            todo.append((index, config))
+
+    def start(config: TrainConfig, gated: bool) -> PointLaunch:
+        run_dir = Path(config.out)
+        if run_dir.exists():  # a failed or interrupted earlier attempt of this point: start it afresh
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True)
+        write_point_config(grid, config)
+        gate = study_dir / LOGS_DIR / f"{run_dir.name}.gate" if gated else None
+        return PointLaunch(point_command(grid, config), run_dir, study_dir / LOGS_DIR, gate)
+
+    ahead: PointLaunch | None = None     # the next point, launched early and waiting at its start gate
+    try:
+        for position, (index, config) in enumerate(todo):
+            run_dir = Path(config.out)
+            prefix = f"[{index}/{len(points)}] {grid.label(config)}"
+            current = ahead if ahead is not None else start(config, gated=False)  # ahead was launched for this one
+            ahead = None
+            hidden_s = current.open_gate()
+            if grid.settings.overlap_startup and config.offload == "none" and position + 1 < len(todo):
+                # offload points keep the host's cores to themselves (CPU Adam): nothing starts beside them
+                ahead = start(todo[position + 1][1], gated=True)
+            if not sys.stdout.isatty():
+                print(f"{prefix} ...", end="", flush=True)
+            outcome = current.wait(grid.settings.timeout_s, config.steps, prefix)
+            record = {"point_id": run_dir.name, "point": grid.point_values(config), "order": index,
+                      "status": outcome.status, "reason": outcome.reason, "returncode": outcome.returncode,
+                      "wall_s": round(outcome.wall_s, 2), "startup_ahead_s": round(hidden_s, 2),
+                      "command": current.process.args, "config": to_yaml_values(config),
+                      "study": dataclasses.asdict(grid.settings), "fingerprint": manifest["fingerprint"]}
+            run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(run_dir / POINT_FILE, record)
+            counts[outcome.status] += 1
+            counts["launched"] += 1
+            ahead_note = f", {hidden_s:.0f}s of start-up ahead" if hidden_s >= 0.5 else ""
+            if outcome.status == "ok":
+                medians = summarize_metrics(read_metrics(run_dir / "metrics.jsonl"), config.steady_skip)
+                result = f"{format_rate(medians.get('tokens_per_s'))} ({outcome.wall_s:.0f}s{ahead_note})"
+            else:
+                result = f"{outcome.status.upper()}: {outcome.reason} ({outcome.wall_s:.0f}s{ahead_note})"
+            print(f"\r{prefix} ... {result}" if sys.stdout.isatty() else f" {result}", flush=True)
+    finally:     # interrupted (Ctrl-C, a timeout around the study): the early launch must not outlive the sweep
+        if ahead is not None:
+            ahead.stop()
+
+    written = rebuild_report(study_dir)
+    elapsed = time.monotonic() - sweep_start
+    print(f"study {grid.name}: {counts['points']} points: {counts['ok']} ok, {counts['oom']} oom, "
+          f"{counts['failed']} failed, {counts['timeout']} timeout ({counts['skipped']} skipped as finished, "
+          f"{counts['launched']} launched) in {elapsed / 60:.1f} min")
+    print(f"results: {written['csv']}\nreport:  {written['md']}\nplots:   "
+          + ", ".join(str(p) for p in written["plots"]))
+    return counts
