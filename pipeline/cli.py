@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.common import run_cli
+from pipeline.common import UserError, run_cli, writing
 from pipeline.config import CorpusConfig, TokenizerConfig
 from pipeline.settings import add_flags, build_settings, field_names, flag_name, merged_settings
 
@@ -28,7 +28,8 @@ def _sample_corpus_path() -> str:
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "t5zero" / "sample_corpus"
     path = cache / SAMPLE_FILE
     if not path.is_file():
-        write_sample_corpus(cache)
+        with writing(cache, fix="set XDG_CACHE_HOME to a writable directory, or pass corpus files to --input"):
+            write_sample_corpus(cache)
     return str(path)
 
 
@@ -38,10 +39,15 @@ def _inputs(values: list[str]) -> list[str]:
 
 def cmd_sample_corpus(args: argparse.Namespace) -> int:
     """Write the built-in sample corpus (Python's own documentation text, no download) as DIR/sample.jsonl."""
-    from pipeline.sample_corpus import write_sample_corpus
+    from pipeline.sample_corpus import SAMPLE_FILE, write_sample_corpus
 
-    path, documents, size = write_sample_corpus(args.out, max_bytes=args.max_bytes)
-    print(f"wrote {path}: {documents:,} documents, {size:,} bytes")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: a file, not a directory; --out names the directory for {SAMPLE_FILE}")
+    existed = (out / SAMPLE_FILE).is_file()  # kept only when it holds these very bytes
+    with writing(out / SAMPLE_FILE, fix="free some space or choose a writable --out"):
+        path, documents, size = write_sample_corpus(out, max_bytes=args.max_bytes)
+    print(f"{'unchanged' if existed else 'wrote'} {path}: {documents:,} documents, {size:,} bytes")
     return 0
 
 
@@ -51,20 +57,24 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
     Layout: <pad>=0, </s>=1, <unk>=2, <extra_id_0>=vocab_size-1 .. <extra_id_99>=vocab_size-100.
     """
     from pipeline.readers import RejectCounter, iter_corpus_texts
-    from tokenizer.t5 import adopt_tokenizer, tokenizer_info, train_tokenizer
+    from tokenizer.t5 import adopt_tokenizer, check_out_dir, tokenizer_info, train_tokenizer
 
     config = config_from_args(TokenizerConfig, args)
     started = time.perf_counter()
+    backup = check_out_dir(config.out, config.overwrite)  # before minutes of training
     if config.from_file:
-        path = adopt_tokenizer(config.from_file, config.out)
+        path = adopt_tokenizer(config.from_file, config.out, overwrite=config.overwrite)
     else:
         rejected = RejectCounter()
         texts = iter_corpus_texts(_inputs(config.input), config.text_field, config.max_doc_chars, rejected)
-        path = train_tokenizer(_capped(texts, config.max_bytes), config.vocab_size, config.out, show_progress=True)
+        path = train_tokenizer(_capped(texts, config.max_bytes), config.vocab_size, config.out, show_progress=True,
+                               overwrite=config.overwrite)
         skipped = {k: v for k, v in rejected.items() if v}
         if skipped:
             print(f"skipped records: {skipped}")
     info = tokenizer_info(path)
+    if backup is not None and backup.is_file():
+        print(f"kept the previous {path.name} as {backup} (shard sets made with it need that file)")
     print(f"wrote {path}: vocab {info['vocab_size']:,}, <extra_id_0>={info['sentinel_first_id']}, "
           f"sha256 {info['sha256'][:12]}... ({time.perf_counter() - started:.1f}s)")
     return 0

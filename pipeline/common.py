@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -37,6 +39,34 @@ def run_cli(main: Callable[[], int | None]) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+WRITE_FIX = "free some space or choose a writable output directory"
+
+
+def describe_os_error(err: OSError) -> str:
+    """'Read-only file system', 'No space left on device, the filesystem is full', ...: the OS's words, no errno
+    number."""
+    reason = err.strerror or (str(err).splitlines() or [type(err).__name__])[0]
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        reason += ", the filesystem is full"
+    elif err.errno == errno.ENOTDIR:
+        reason += ": a part of the path is a file"
+    return reason
+
+
+def write_error(path: str | os.PathLike, err: OSError, fix: str = WRITE_FIX) -> UserError:
+    """An OSError met while writing (read-only, full, a file where a directory belongs) as one user-error line."""
+    return UserError(f"{err.filename or path}: cannot write ({describe_os_error(err)}); {fix}")
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike, fix: str = WRITE_FIX):
+    """Turn an OSError inside the block into `write_error(path, ...)`: `with writing(out_dir): ...`."""
+    try:
+        yield
+    except OSError as err:
+        raise write_error(path, err, fix) from None
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

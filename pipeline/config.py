@@ -52,7 +52,8 @@ class CorpusConfig:
     unit_bytes: int = setting(4 << 20, "input bytes per work unit, part of the fingerprint and independent of "
                               "--workers", default_text="4 MiB")
     max_doc_chars: int = max_doc_chars_setting()
-    overwrite: bool = setting(False, "replace a different shard set in --out")
+    overwrite: bool = setting(False, "replace a different shard set in --out (only prep's own files there are "
+                              "removed, and listed first)")
     quiet: bool = setting(False, "no progress bar")
 
     def __post_init__(self) -> None:
@@ -87,6 +88,8 @@ class TokenizerConfig:
     text_field: str = text_field_setting()
     max_doc_chars: int = max_doc_chars_setting()
     max_bytes: int | None = setting(None, "train on at most this many characters")
+    overwrite: bool = setting(False, "replace an existing DIR/tokenizer.json (kept as tokenizer.json.bak-<sha12>); "
+                              "shard sets made with the old file need the old file")
 
     def __post_init__(self) -> None:
         if self.from_file and self.input:

@@ -2,37 +2,40 @@
 
     result = build_shards(CorpusConfig(input=["corpus.jsonl"], tokenizer="tok/tokenizer.json", out="shards/demo"))
 
-`process_unit(job, unit)` composes the steps for one unit: `readers.unit_texts` -> `steps.TokenWindows` ->
-`steps.window_batches` -> `steps.corrupted` (span corruption) -> `steps.ShardWriter`; `pipeline.executor` runs it
+`process_unit(job, unit)` runs one unit: `steps.unit_examples` (`readers.unit_texts` -> `steps.TokenWindows` ->
+`steps.window_batches` -> `steps.corrupted`, span corruption) -> `steps.ShardWriter`; `pipeline.executor` runs it
 on Ray. Each unit's randomness is `np.random.default_rng((seed, unit_id))`, so the bytes never depend on worker
 count, cluster shape or timing. A unit is done when `units/UUUUU.json` exists (written after its shards);
 `manifest.json` is written last.
+
+`--out` must be new, empty, or a shard set this tool wrote (its `.t5zero-shards` marker, written first, or a
+valid manifest); `--overwrite` removes only this tool's own files there (manifest, unit records, shards, temp
+files) and says what it removes first. A job that yields no example stops with a `UserError` that says why.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
+import re
+import sys
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
-
-from pipeline.common import UserError, atomic_write_json, sha256_json
+from pipeline.common import UserError, atomic_write_json, sha256_json, writing
 from pipeline.config import CorpusConfig
-from pipeline.executor import run_units_on_ray
-from pipeline.readers import (RejectCounter, WorkUnit, batched_texts, discover_inputs, input_digest, plan_units,
-                              unit_texts)
-from pipeline.shard_format import (DATA_DIR, FORMAT_VERSION, MANIFEST_NAME, UNITS_DIR, read_manifest,
-                                   shard_file_problem, write_manifest)
+from pipeline.executor import check_ray_address, run_units_on_ray
+from pipeline.readers import RejectCounter, WorkUnit, discover_inputs, input_digest, plan_units
+from pipeline.shard_format import (DATA_DIR, FORMAT_VERSION, MANIFEST_NAME, MARKER_NAME, UNITS_DIR, parse_manifest,
+                                   read_manifest, shard_file_problem, write_manifest)
 from pipeline.span_corruption import SpanSpec
-from pipeline.steps import (WINDOWS_PER_CORRUPTION, ShardWriter, TokenWindows, cached_t5_tokenizer, corrupted,
-                            tokenizer_errors_as_user_errors, window_batches)
+from pipeline.steps import ShardWriter, tokenizer_errors_as_user_errors, unit_examples
 
 TOOL_VERSION = "0.1.0"  # the manifest's tool_version
+OWN_FILES = {DATA_DIR: re.compile(r"part-\d{5}-\d{4}\.arrow|\.part-\d{5}-\d{4}\.arrow\.\d+\.tmp"),
+             UNITS_DIR: re.compile(r"\d{5}\.json|\.\d{5}\.json\.\w+\.tmp")}  # the only names --overwrite removes
 
 
 @dataclass(frozen=True)
@@ -68,12 +71,14 @@ class CorpusJob:
 
 
 def plan_job(config: CorpusConfig) -> tuple[CorpusJob, list[WorkUnit]]:
-    """Resolve inputs, tokenizer and lengths into the job every unit receives, plus the units."""
+    """Resolve inputs, tokenizer and lengths into the job every unit receives, plus the units; an --out that
+    cannot hold this job's shard set is refused before the inputs are hashed."""
     from tokenizer.t5 import tokenizer_info
 
     with tokenizer_errors_as_user_errors():
         tokenizer = tokenizer_info(config.tokenizer)
     inputs = discover_inputs(config.input)
+    check_out_dir(Path(config.out).resolve(), [item.path for item in inputs])
     job = CorpusJob(out=str(Path(config.out).resolve()), spec=config.span_spec(), seed=config.seed,
                     shard_rows=config.resolved_shard_rows(), text_field=config.text_field,
                     max_doc_chars=config.max_doc_chars, unit_bytes=config.unit_bytes, tokenizer=tokenizer,
@@ -88,12 +93,10 @@ def process_unit(job: CorpusJob, unit: WorkUnit) -> dict:
     started = time.perf_counter()
     tokenizer = job.tokenizer
     rejected = RejectCounter()
-    texts = unit_texts(unit, job.text_field, job.max_doc_chars, rejected)
-    windows = TokenWindows(cached_t5_tokenizer(tokenizer["path"]), job.spec.raw_length, tokenizer["eos_id"])
-    raw_batches = window_batches(map(windows.push, batched_texts(texts)), WINDOWS_PER_CORRUPTION)
-    rng = np.random.default_rng((job.seed, unit.unit_id))
+    examples, windows = unit_examples(unit, tokenizer, job.spec, job.seed, text_field=job.text_field,
+                                      max_doc_chars=job.max_doc_chars, rejected=rejected)
     writer = ShardWriter(Path(job.out), unit.unit_id, job.shard_rows)
-    for input_ids, labels in corrupted(raw_batches, rng, job.spec, tokenizer):
+    for input_ids, labels in examples:
         writer.add(input_ids, labels)
     shards = writer.close()
     record = {"unit": unit.to_json(), "fingerprint": job.fingerprint, "shards": shards,
@@ -101,7 +104,9 @@ def process_unit(job: CorpusJob, unit: WorkUnit) -> dict:
                         "examples": sum(s["rows"] for s in shards), "dropped_tail_tokens": int(len(windows.carry)),
                         "input_bytes": unit.bytes, "seconds": round(time.perf_counter() - started, 3)},
               "rejected": dict(rejected)}
-    atomic_write_json(unit_record_path(job.out, unit.unit_id), record)
+    path = unit_record_path(job.out, unit.unit_id)
+    with writing(path, fix="free some space or choose another --out; a rerun resumes"):
+        atomic_write_json(path, record)
     return record
 
 
@@ -138,7 +143,7 @@ def _existing_fingerprints(out_dir: Path) -> set[str]:
             found.add("unreadable")
     units = out_dir / UNITS_DIR
     if units.is_dir():
-        for record in sorted(units.glob("*.json"))[:1]:
+        for record in sorted(u for u in units.glob("*.json") if OWN_FILES[UNITS_DIR].fullmatch(u.name))[:1]:
             try:
                 found.add(json.loads(record.read_text()).get("fingerprint"))
             except ValueError:
@@ -146,18 +151,74 @@ def _existing_fingerprints(out_dir: Path) -> set[str]:
     return found
 
 
-def _clear_shard_set(out_dir: Path) -> None:
-    """Remove what a previous prep job wrote (only our own names), for --overwrite."""
-    (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
-    for sub in (DATA_DIR, UNITS_DIR):
+def _owned(out_dir: Path) -> bool:
+    """Whether `out_dir` is a shard set this tool wrote: its marker, or (sets older than the marker) a manifest."""
+    if (out_dir / MARKER_NAME).is_file():
+        return True
+    try:
+        parse_manifest((out_dir / MANIFEST_NAME).read_bytes(), out_dir / MANIFEST_NAME)
+    except (OSError, UserError):
+        return False
+    return True
+
+
+def check_out_dir(out_dir: Path, input_paths: list[str]) -> None:
+    """Refuse an --out that is a file, that holds files prep did not write, or that holds an input."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"{out_dir}: a file, not a directory; choose a directory for --out")
+    for path in input_paths:
+        if Path(path).is_relative_to(out_dir):
+            raise UserError(f"{path}: this input lies inside --out {out_dir}, where prep writes and "
+                            f"--overwrite removes files; choose an --out outside the corpus")
+    if out_dir.is_dir() and not _owned(out_dir):
+        entries = sorted(p.name for p in out_dir.iterdir())
+        if entries:
+            shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+            raise UserError(f"{out_dir}: not empty ({shown}) and not a shard set written by `prep corpus` (no "
+                            f"{MARKER_NAME} marker); choose a new or empty --out (nothing was changed)")
+
+
+def own_files(out_dir: Path) -> list[Path]:
+    """This tool's files in a shard set: manifest, unit records, shards and their temp files (nothing else)."""
+    found = [out_dir / MANIFEST_NAME] if (out_dir / MANIFEST_NAME).is_file() else []
+    for sub, pattern in OWN_FILES.items():
         if (out_dir / sub).is_dir():
-            shutil.rmtree(out_dir / sub)
+            found += sorted(p for p in (out_dir / sub).iterdir() if p.is_file() and pattern.fullmatch(p.name))
+    return found
+
+
+def _clear_shard_set(out_dir: Path, others: set[str]) -> None:
+    """--overwrite: say what goes, then remove only this tool's own files (other files in --out stay)."""
+    files = own_files(out_dir)
+    shards = [p for p in files if p.parent.name == DATA_DIR and p.suffix == ".arrow"]
+    records = [p for p in files if p.parent.name == UNITS_DIR and p.suffix == ".json"]
+    temps = [p for p in files if p.name.endswith(".tmp")]
+    size = sum(p.stat().st_size for p in shards)
+    manifest = "manifest.json, " if (out_dir / MANIFEST_NAME) in files else ""
+    print(f"prep corpus --overwrite: removing the shard set {sorted(others)[0][:12]}... in {out_dir}: {manifest}"
+          f"{len(records)} unit records, {len(shards)} shards ({size / 2**20:,.1f} MiB), {len(temps)} temp files; "
+          f"nothing else there is touched", file=sys.stderr, flush=True)
+    with writing(out_dir, fix="make --out writable to replace its shard set, or choose another --out"):
+        (out_dir / MANIFEST_NAME).unlink(missing_ok=True)  # first: the set is no longer complete
+        for path in files:
+            path.unlink(missing_ok=True)
 
 
 def _remove_temp_files(out_dir: Path) -> None:
-    for sub in (DATA_DIR, UNITS_DIR):
-        for tmp in (out_dir / sub).glob(".*.tmp"):
-            tmp.unlink(missing_ok=True)
+    for path in own_files(out_dir):
+        if path.name.endswith(".tmp"):
+            path.unlink(missing_ok=True)
+
+
+def _claim(out_dir: Path) -> None:
+    """Make --out a shard set of ours: the directories and the marker, written before any shard."""
+    with writing(out_dir, fix="choose a writable --out with free space"):
+        (out_dir / DATA_DIR).mkdir(parents=True, exist_ok=True)
+        (out_dir / UNITS_DIR).mkdir(parents=True, exist_ok=True)
+        if not (out_dir / MARKER_NAME).is_file():
+            atomic_write_json(out_dir / MARKER_NAME, {"written_by": "t5zero prep corpus", "tool_version": TOOL_VERSION,
+                                                      "note": "prep corpus --overwrite removes only its own files here"})
+        _remove_temp_files(out_dir)
 
 
 @dataclass
@@ -182,17 +243,17 @@ def build_shards(config: CorpusConfig, run_units: Callable = run_units_on_ray) -
             raise UserError(f"{out_dir}: holds a different shard set (fingerprint {sorted(others)[0][:12]}..., "
                             f"this job {job.fingerprint[:12]}...); pass --overwrite to replace it or choose another "
                             f"--out")
-        _clear_shard_set(out_dir)
-    (out_dir / DATA_DIR).mkdir(parents=True, exist_ok=True)
-    (out_dir / UNITS_DIR).mkdir(parents=True, exist_ok=True)
-    _remove_temp_files(out_dir)
-
-    if (out_dir / MANIFEST_NAME).is_file():
+        _clear_shard_set(out_dir, others)
+    elif (out_dir / MANIFEST_NAME).is_file():
         manifest = read_manifest(out_dir)
-        if all(_shard_ok(out_dir, s) for s in manifest["shards"]):
+        if all(_shard_ok(out_dir, s) for s in manifest["shards"]):  # done: nothing is written (a read-only set too)
             return CorpusResult(manifest, out_dir, len(units), 0, time.perf_counter() - started,
                                 already_complete=True, totals=manifest["totals"])
-        (out_dir / MANIFEST_NAME).unlink()  # a shard went missing or bad: redo what is needed
+        with writing(out_dir, fix="make --out writable so that prep can repair it, or choose another --out"):
+            (out_dir / MANIFEST_NAME).unlink()  # a shard went missing or bad: redo what is needed
+    if config.ray_address:
+        check_ray_address(config.ray_address)  # before anything is written
+    _claim(out_dir)
 
     records: dict[int, dict] = {}
     todo: list[WorkUnit] = []
@@ -208,9 +269,29 @@ def build_shards(config: CorpusConfig, run_units: Callable = run_units_on_ray) -
                                 skipped_bytes=sum(u.bytes for u in units) - sum(u.bytes for u in todo)):
             records[record["unit"]["unit_id"]] = record
     manifest = assemble_manifest(job, [records[u.unit_id] for u in units])
-    write_manifest(out_dir, manifest)
+    if manifest["totals"]["examples"] == 0:
+        for unit in units:  # nothing to keep: leave --out as an empty shard set of ours, not a half-made one
+            unit_record_path(out_dir, unit.unit_id).unlink(missing_ok=True)
+        raise UserError(no_examples_message(job, manifest))
+    with writing(out_dir / MANIFEST_NAME, fix="free some space or choose another --out; a rerun resumes"):
+        write_manifest(out_dir, manifest)
     return CorpusResult(manifest, out_dir, len(units), len(todo), time.perf_counter() - started,
                         totals=manifest["totals"])
+
+
+def no_examples_message(job: CorpusJob, manifest: dict) -> str:
+    """Why a job made no example, and what to change."""
+    totals, rejected = manifest["totals"], {k: v for k, v in manifest["rejected"].items() if v}
+    inputs = job.inputs[0]["path"] if len(job.inputs) == 1 else f"{len(job.inputs)} inputs"
+    skipped = f"; skipped {', '.join(f'{k} {v:,}' for k, v in sorted(rejected.items()))}" if rejected else ""
+    if rejected.get("missing_text", 0) + rejected.get("not_text", 0) > totals["documents"]:
+        fix = f"name the field that holds the text with --text-field (now {job.text_field!r})"
+    elif totals["documents"] == 0:
+        fix = "pass a corpus with text in it (.jsonl records, .txt lines, a parquet/arrow text column)"
+    else:
+        fix = "give more text, a smaller --input-length, or a larger --unit-bytes"
+    return (f"{inputs}: no examples made ({totals['documents']:,} documents, {totals['tokens']:,} tokens; an "
+            f"example needs {job.spec.raw_length} tokens within one work unit{skipped}); {fix}; nothing was written")
 
 
 def assemble_manifest(job: CorpusJob, records: list[dict]) -> dict:

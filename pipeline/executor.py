@@ -7,14 +7,117 @@
 travels with its task. Without `address` a local, loopback-only cluster of `workers` CPUs is started (no
 dashboard) and shut down afterwards; with `address` (or when Ray is already initialised) that cluster is used,
 with at most `workers` units in flight. Records come back in completion order; the caller orders them.
+
+An `address` is asked first, with one gRPC call of a few seconds, whether a Ray cluster answers there: Ray's own
+connect would retry for minutes and ignore SIGTERM meanwhile. A local cluster dies with the driver even when the
+driver is SIGKILLed: a small reaper process, started before the cluster, waits for the driver's end (its stdin
+pipe closes) and kills every process that carries this cluster's token in its environment (Ray's agents would
+otherwise outlive a killed driver by a minute, trying to report to the dead GCS).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import subprocess
+import sys
+import threading
+import uuid
 from typing import Any, Callable, Iterator, Sequence
 
 from pipeline.common import UserError
+
+CLUSTER_TOKEN_ENV = "T5ZERO_PREP_CLUSTER"
+PROBE_TIMEOUT_S = 5.0
+# Run by the reaper (`python -c`): wait for EOF on stdin, then SIGKILL every process whose environment holds
+# T5ZERO_PREP_CLUSTER=<token> (Linux /proc; Ray's processes inherit the driver's environment).
+_REAPER_CODE = """
+import os, signal, sys
+sys.stdin.buffer.read()
+mark = ("%s=" % sys.argv[1]).encode() + sys.argv[2].encode() + b"\\0"
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        with open("/proc/%s/environ" % pid, "rb") as f:
+            found = mark in f.read()
+        if found and int(pid) != os.getpid():
+            os.kill(int(pid), signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+def _cluster_problem(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why no Ray cluster answers at `address` ("host:port" of its GCS), or None when one does or when the
+    address is not of that form (`auto`, `ray://...`: Ray's own checks apply)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "://" in address:
+        return None
+    try:
+        import grpc
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    except ImportError:  # another Ray layout: leave the check to ray.init
+        return None
+    channel = grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
+    try:
+        gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(gcs_service_pb2.GetClusterIdRequest(),
+                                                                           timeout=timeout_s)
+    except grpc.RpcError as err:
+        if err.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            return None  # a cluster answers; ray.init reports its own authentication error
+        return f"no Ray cluster answers there within {timeout_s:.0f}s: {err.code().name}"
+    finally:
+        channel.close()
+    return None
+
+
+def check_ray_address(address: str) -> None:
+    """`UserError` in one line, within seconds, when no Ray cluster answers at `address` (and Ray is not
+    initialised in this process already)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    problem = None if ray.is_initialized() else _cluster_problem(address)
+    if problem:
+        raise UserError(f"--ray-address {address}: {problem}; start the cluster (`ray start --head`), fix the "
+                        f"address, or leave --ray-address out to start a local cluster")
+
+
+def _exit_cleanly_on_sigterm():
+    """SIGTERM -> one line and exit status 143 through the `finally` blocks (Ray's own handler dumps a native
+    stack and aborts). Returns what puts the previous handler back (nothing is changed off the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def stop(signum, frame):
+        print("stopped by SIGTERM; finished work units are kept, and the same command resumes", file=sys.stderr,
+              flush=True)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _start_reaper() -> subprocess.Popen | None:
+    """Mark this process's environment with a fresh cluster token and start the reaper (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    token = uuid.uuid4().hex
+    os.environ[CLUSTER_TOKEN_ENV] = token
+    env = {k: v for k, v in os.environ.items() if k != CLUSTER_TOKEN_ENV}
+    return subprocess.Popen([sys.executable, "-c", _REAPER_CODE, CLUSTER_TOKEN_ENV, token], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+
+
+def _stop_reaper(reaper: subprocess.Popen | None) -> None:
+    """After ray.shutdown: let the reaper sweep what is left of our cluster, and wait for it."""
+    os.environ.pop(CLUSTER_TOKEN_ENV, None)
+    if reaper is not None:
+        reaper.stdin.close()
+        try:
+            reaper.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            reaper.kill()
 
 
 def _run_unit(unit_fn: Callable[[Any, Any], dict], job: Any, unit: Any) -> dict:
@@ -37,18 +140,30 @@ def run_units_on_ray(unit_fn: Callable[[Any, Any], dict], job: Any, units: Seque
     import ray
 
     started_here = False
+    reaper = None
     if not ray.is_initialized():
+        if address:
+            check_ray_address(address)
         try:
             if address:
                 ray.init(address=address, log_to_driver=False, configure_logging=False)
             else:
+                # Ray announces on stderr that it turned token authentication on for the new cluster; a
+                # loopback-only cluster of our own needs no such line in every prep run.
+                logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+                reaper = _start_reaper()
                 # address="local": always a fresh cluster of our own, never one that happens to run on this host
                 ray.init(address="local", num_cpus=workers, include_dashboard=False, _node_ip_address="127.0.0.1",
                          log_to_driver=False, configure_logging=False)
         except (ConnectionError, ValueError) as err:
+            _stop_reaper(reaper)
             raise UserError(f"cannot reach the Ray cluster at {address or 'local'} ({err}); check --ray-address "
                             f"or leave it out to start a local cluster") from None
+        except BaseException:
+            _stop_reaper(reaper)
+            raise
         started_here = True
+    restore_sigterm = _exit_cleanly_on_sigterm()
     remote_unit = ray.remote(num_cpus=1, max_retries=2)(_run_unit)
     job_ref = ray.put(job)
     pending_units = list(reversed(units))  # pop() takes them in the given order
@@ -74,5 +189,7 @@ def run_units_on_ray(unit_fn: Callable[[Any, Any], dict], job: Any, units: Seque
                 yield record
     finally:
         bar.close()
+        restore_sigterm()
         if started_here:
             ray.shutdown()
+            _stop_reaper(reaper)

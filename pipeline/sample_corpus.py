@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Iterator
 
-from pipeline.common import atomic_write_bytes
+from pipeline.common import UserError, atomic_write_bytes
 
 SAMPLE_FILE = "sample.jsonl"
 SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
@@ -69,7 +69,9 @@ def sample_documents() -> Iterator[str]:
 
 
 def write_sample_corpus(out_dir: str | Path, max_bytes: int | None = None) -> tuple[Path, int, int]:
-    """Write DIR/sample.jsonl ({"text": ...} per line), stopping before `max_bytes`; -> (path, documents, bytes)."""
+    """Write DIR/sample.jsonl ({"text": ...} per line), stopping before `max_bytes`; -> (path, documents, bytes).
+    A DIR/sample.jsonl with these bytes already is left alone; one with other bytes
+    (another --max-bytes, or a file of the user's) is refused with a `UserError`, never replaced."""
     lines: list[bytes] = []
     total = 0
     for text in sample_documents():
@@ -81,5 +83,11 @@ def write_sample_corpus(out_dir: str | Path, max_bytes: int | None = None) -> tu
         lines.append(line)
         total += len(line)
     path = Path(out_dir) / SAMPLE_FILE
-    atomic_write_bytes(path, b"".join(lines))
+    data = b"".join(lines)
+    if path.is_file() or path.is_dir():
+        if path.is_file() and path.stat().st_size == len(data) and path.read_bytes() == data:
+            return path, len(lines), total
+        what = "a directory" if path.is_dir() else "other bytes"
+        raise UserError(f"{path}: already there and not this sample corpus ({what}); remove it or choose another --out")
+    atomic_write_bytes(path, data)
     return path, len(lines), total

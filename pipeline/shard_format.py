@@ -24,6 +24,7 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 DATA_DIR = "data"
 UNITS_DIR = "units"
+MARKER_NAME = ".t5zero-shards"  # written first by `prep corpus`: this directory is a shard set it owns
 INPUT_COLUMN = "input_ids"
 LABEL_COLUMN = "labels"
 MANIFEST_KEYS = ("format_version", "tool_version", "config", "tokenizer", "inputs", "shards", "totals",
@@ -97,6 +98,8 @@ def write_manifest(shard_dir: str | Path, manifest: dict[str, Any]) -> None:
 def read_manifest(shard_dir: str | Path) -> dict[str, Any]:
     """Read and check a shard set's manifest; a user-fixable problem raises `UserError` naming the file."""
     path = Path(shard_dir) / MANIFEST_NAME
+    if Path(shard_dir).is_file():
+        raise UserError(f"{shard_dir}: a file, not a shard set directory; pass the directory that holds {MANIFEST_NAME}")
     if not path.is_file():
         raise UserError(f"{path}: no manifest; run `prep corpus --out {shard_dir}` first (or finish it: "
                         f"a shard set without manifest.json is incomplete)")

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from pipeline.common import UserError, sha256_file
+from pipeline.common import UserError, sha256_file, write_error
 from pipeline.shard_format import shard_name, write_shard
 from pipeline.span_corruption import SpanSpec, span_corrupt
 
@@ -100,6 +100,21 @@ def corrupted(raw_batches: Iterable[np.ndarray], rng: np.random.Generator, spec:
                            eos_id=tokenizer_info["eos_id"], pad_id=tokenizer_info["pad_id"])
 
 
+def unit_examples(unit, tokenizer_info: dict, spec: SpanSpec, seed: int, *, text_field: str, max_doc_chars: int,
+                  rejected) -> tuple[Iterator[tuple[np.ndarray, np.ndarray]], TokenWindows]:
+    """One work unit's span-corrupted examples, batch by batch, and the TokenWindows that counts its documents and
+    tokens: `readers.unit_texts` -> `TokenWindows` -> `window_batches` -> `corrupted`, the span masks drawn from
+    `default_rng((seed, unit.unit_id))`. What `prep corpus` writes into shards and what `pretrain --loader online`
+    makes in its workers: one implementation, so both follow the same rules."""
+    from pipeline.readers import batched_texts, unit_texts
+
+    texts = unit_texts(unit, text_field, max_doc_chars, rejected)
+    windows = TokenWindows(cached_t5_tokenizer(tokenizer_info["path"]), spec.raw_length, tokenizer_info["eos_id"])
+    raw_batches = window_batches(map(windows.push, batched_texts(texts)), WINDOWS_PER_CORRUPTION)
+    rng = np.random.default_rng((seed, unit.unit_id))
+    return corrupted(raw_batches, rng, spec, tokenizer_info), windows
+
+
 class ShardWriter:
     """Collect corrupted examples and write `data/part-UUUUU-KKKK.arrow` shards of `shard_rows` rows (tmp + rename)."""
 
@@ -131,9 +146,13 @@ class ShardWriter:
         relative = shard_name(self.unit_id, len(self.shards))
         final = self.out_dir / relative
         tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-        size = write_shard(tmp, inputs[:rows], labels[:rows])
-        digest = sha256_file(tmp)
-        os.replace(tmp, final)
+        try:
+            size = write_shard(tmp, inputs[:rows], labels[:rows])
+            digest = sha256_file(tmp)
+            os.replace(tmp, final)
+        except OSError as err:  # a full or read-only --out: no partial shard stays behind
+            tmp.unlink(missing_ok=True)
+            raise write_error(final, err, fix="free some space or choose another --out; a rerun resumes") from None
         self.shards.append({"path": relative, "rows": rows, "bytes": size, "sha256": digest})
         self.pending_inputs, self.pending_labels = [inputs[rows:]], [labels[rows:]]
         self.pending_rows = len(inputs) - rows

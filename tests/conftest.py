@@ -6,11 +6,13 @@
 - `tiny_tokenizer`: Path of a tokenizer.json (Unigram, vocab 1024 incl. the 100 sentinels) trained on it.
 - `tiny_shards`: Path of a shard set built by `prep corpus` code on a 2-worker local Ray cluster:
   input_length 128 (target_length 29, raw_length 141), 4 work units, 100-row shards, ~960 examples.
+- `tmpfs`: a factory of small tmpfs mounts (full or read-only outputs).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -70,3 +72,32 @@ def tiny_prep(sample_corpus, tiny_tokenizer):
     """A factory: tiny_prep(out, **overrides) -> the CorpusConfig of `tiny_shards` aimed at `out`."""
     return lambda out, **overrides: tiny_prep_config(**{"inputs": [sample_corpus], "tokenizer": tiny_tokenizer,
                                                         "out": out, **overrides})
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """`tmpfs(name, options="size=2m")` -> a fresh tmpfs mount point, unmounted after the test;
+    `tmpfs.read_only(point)` remounts it read-only. Skips the test where mounting is refused (not root, no
+    CAP_SYS_ADMIN). For the outputs-on-a-full-or-read-only-filesystem tests of every command."""
+    mounted: list[Path] = []
+
+    def run(*argv: str) -> None:
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"`{' '.join(argv[:4])}` refused here ({done.stderr.strip() or done.returncode})")
+
+    def mount(name: str, options: str = "size=2m") -> Path:
+        point = tmp_path / name
+        point.mkdir()
+        run("mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point))
+        mounted.append(point)
+        return point
+
+    def read_only(point: Path) -> Path:
+        run("mount", "-o", "remount,ro", str(point))
+        return point
+
+    mount.read_only = read_only
+    yield mount
+    for point in reversed(mounted):
+        subprocess.run(["umount", "-l", str(point)], capture_output=True)

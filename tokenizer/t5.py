@@ -6,6 +6,9 @@ Layout (docs/design.md "Tokenizer"): `<pad>`=0, `</s>`=1, `<unk>`=2, sentinels `
 top of the vocabulary, `<extra_id_0>` = vocab_size-1, descending. No post-processor adds `</s>`: prep appends
 `</s>` once per document itself. This package stands alone (it imports nothing from `pipeline` or `pretrain`):
 a problem the user can fix raises `TokenizerError`, one line naming the file and the fix.
+
+An existing DIR/tokenizer.json is never replaced silently: every shard set records its sha256 and retraining gives
+other ids. With `overwrite=True` the old file stays beside the new one as tokenizer.json.bak-<sha12>.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Iterable
 
@@ -97,16 +101,60 @@ def tokenizer_sha256(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def _save(tokenizer: Tokenizer, out_dir: str | Path) -> Path:
-    """Write DIR/tokenizer.json under a temp name, fsync it and rename it into place; check it as we hand it out."""
+def backup_path(path: str | Path) -> Path:
+    """Where `overwrite` keeps an existing tokenizer file: tokenizer.json.bak-<first 12 hex of its sha256>."""
+    path = Path(path)
+    return path.with_name(f"{path.name}.bak-{tokenizer_sha256(path)[:12]}")
+
+
+def check_out_dir(out_dir: str | Path, overwrite: bool = False) -> Path | None:
+    """Before any training: refuse an --out that is a file, is not writable, or holds a tokenizer.json (unless
+    `overwrite`). Returns where the existing file will be kept (`backup_path`), or None when there is none."""
+    out_dir = Path(out_dir)
+    path = out_dir / TOKENIZER_FILE
+    if out_dir.exists() and not out_dir.is_dir():
+        raise TokenizerError(f"{out_dir}: a file, not a directory; --out names the directory for {TOKENIZER_FILE}")
+    if path.is_dir():
+        raise TokenizerError(f"{path}: a directory where the tokenizer file belongs; choose another --out")
+    existing = path.is_file()
+    if existing and not overwrite:
+        raise TokenizerError(
+            f"{path}: a tokenizer is already there (sha256 {tokenizer_sha256(path)[:12]}...); every shard set made "
+            f"with it needs this exact file and a new one gives other ids; choose another --out, or pass "
+            f"--overwrite to replace it (the old file is kept as {backup_path(path).name})")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".{TOKENIZER_FILE}.{os.getpid()}.probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise TokenizerError(f"{err.filename or out_dir}: cannot write ({err.strerror or err}); choose a writable "
+                             f"--out") from None
+    return backup_path(path) if existing else None
+
+
+def _save(tokenizer: Tokenizer, out_dir: str | Path, overwrite: bool = False) -> Path:
+    """Write DIR/tokenizer.json under a temp name, fsync it and rename it into place; check it as we hand it out.
+    An existing, different file there is refused, or with `overwrite` kept as `backup_path` first."""
+    backup = check_out_dir(out_dir, overwrite)
     path = Path(out_dir) / TOKENIZER_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tokenizer.save(str(tmp), pretty=True)
+        try:
+            tokenizer.save(str(tmp), pretty=True)
+        except Exception as err:  # tokenizers raises a bare Exception: "No space left on device (os error 28)"
+            if type(err) is not Exception:
+                raise
+            raise OSError(str(err)) from None
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        if backup is not None and tokenizer_sha256(tmp) != tokenizer_sha256(path) and not backup.exists():
+            shutil.copy2(path, backup)  # the old bytes stay under their sha256's name; the rename below is atomic
         os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise TokenizerError(f"{err.filename or path}: cannot write ({err.strerror or err}); free some space or "
+                             f"choose a writable --out") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -115,15 +163,17 @@ def _save(tokenizer: Tokenizer, out_dir: str | Path) -> Path:
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path, *, length: int | None = None,
-                    show_progress: bool = True) -> Path:
+                    show_progress: bool = True, overwrite: bool = False) -> Path:
     """Train a Unigram tokenizer on a stream of documents and save DIR/tokenizer.json in the T5 layout.
 
     `texts` is consumed lazily (the trainer keeps word counts, not the corpus). `vocab_size` includes the
-    three specials and the 100 sentinels. A corpus too small to fill the vocabulary is a `TokenizerError`.
+    three specials and the 100 sentinels. A corpus too small to fill the vocabulary is a `TokenizerError`, and so
+    is an existing DIR/tokenizer.json unless `overwrite` (checked before training; the old file is kept).
     """
     if vocab_size < NUM_SENTINELS + 3 + 16:
         raise TokenizerError(f"--vocab-size {vocab_size} is too small; it must hold 3 specials, {NUM_SENTINELS} "
                              f"sentinels and some pieces (use >= {NUM_SENTINELS + 3 + 16}; T5 uses 32000)")
+    check_out_dir(out_dir, overwrite)
     tokenizer = Tokenizer(Unigram())
     tokenizer.normalizer = normalizers.NFKC()
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
@@ -137,10 +187,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path, 
                              f"{vocab_size - NUM_SENTINELS} needed for --vocab-size {vocab_size}; give more text "
                              f"or lower --vocab-size to {learned + NUM_SENTINELS}")
     _add_sentinels(tokenizer)
-    return _save(tokenizer, out_dir)
+    return _save(tokenizer, out_dir, overwrite)
 
 
-def adopt_tokenizer(source: str | Path, out_dir: str | Path) -> Path:
+def adopt_tokenizer(source: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> Path:
     """Copy an existing tokenizer.json into DIR, adding the 100 sentinels on top when none are present.
 
     `<pad>`, `</s>` and `<unk>` must already be ids 0, 1, 2 (ids cannot move without retraining a model).
@@ -157,4 +207,4 @@ def adopt_tokenizer(source: str | Path, out_dir: str | Path) -> Path:
                              f"train a new one with `prep tokenizer --input CORPUS`")
     spec = json.loads(tokenizer.to_str())
     spec["post_processor"] = None
-    return _save(Tokenizer.from_str(json.dumps(spec)), out_dir)
+    return _save(Tokenizer.from_str(json.dumps(spec)), out_dir, overwrite)

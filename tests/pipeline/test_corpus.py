@@ -165,7 +165,7 @@ def test_bad_records_are_counted_and_skipped(sample_corpus, tiny_prep, tmp_path,
         b'{"text": "unterminated',  # malformed_json
         b'["a list, not an object"]',  # malformed_json
         b'{"body": "no text field"}',  # missing_text
-        b'{"text": 42}',  # missing_text
+        b'{"text": 42}',  # not_text
         b'{"text": "   \\t  "}',  # empty
         b'{"text": "' + b"x" * (max_doc_chars + 1) + b'"}',  # too_long
         b'{"text": "nul \\u0000 inside"}',  # nul_bytes
@@ -177,8 +177,8 @@ def test_bad_records_are_counted_and_skipped(sample_corpus, tiny_prep, tmp_path,
     result = build_shards(tiny_prep(tmp_path / "out", inputs=[str(tmp_path / "bad.jsonl"), str(tmp_path / "bad.txt")],
                                     max_doc_chars=max_doc_chars, workers=1))
     rejected = result.manifest["rejected"]
-    assert rejected == {"invalid_utf8": 2, "malformed_json": 2, "missing_text": 2, "empty": 1, "too_long": 1,
-                        "nul_bytes": 2, "lone_surrogate": 1}
+    assert rejected == {"invalid_utf8": 2, "malformed_json": 2, "missing_text": 1, "not_text": 1, "empty": 1,
+                        "too_long": 1, "nul_bytes": 2, "lone_surrogate": 1}
     assert result.totals["documents"] == 21
     assert result.totals["examples"] > 0
 
