@@ -6,8 +6,10 @@ Pure torch + transformers (no DeepSpeed). Both models hold the same weights (our
 made from it by pretrain.model.hf.to_hf), run bf16 parameters with fused AdamW on the same random batch
 (inputs 512, targets 114 by default). One step = zero_grad + forward (loss) + backward + optimizer step.
 Reported per variant: ms/step, tokens/s (input + target tokens), TFLOP/s from the exact count
-(pretrain.model.flops.train_step_flops), MFU against a bf16 matmul ceiling (8192^3) measured in the same run,
-peak memory, and speed-up against HF in the same run. The table is printed last; results.json and
+(pretrain.model.flops.train_step_flops), MFU against the device's datasheet dense bf16 peak
+(pretrain.metrics.PEAK_TFLOPS: 989.4 TFLOP/s for H100/H200 SXM, 312 for A100; `--peak-tflops` for others), beside
+it `x GEMM`: the fraction of a bf16 8192^3 matmul measured in the same run, peak memory, and speed-up against HF
+eager and HF compiled (what a user would pick instead) in the same run. The table is printed last; results.json and
 results.md go to --out. `--device cpu --models t5-tiny` is a smoke test.
 
 Variants: hf, hf-compile (transformers, eager / whole-model torch.compile); ours, ours-compile (eager /
@@ -29,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pretrain.metrics import peak_tflops_for  # noqa: E402
 from pretrain.model.flops import count_parameters, train_step_flops  # noqa: E402
 from pretrain.model.hf import to_hf  # noqa: E402
 from pretrain.model.t5 import T5Model, build  # noqa: E402
@@ -138,7 +141,7 @@ def prepare(variant: str, ours_cpu, device: str):
     return model
 
 
-def bench_variant(variant, ours_cpu, batch, args, flops_per_step, ceiling):
+def bench_variant(variant, ours_cpu, batch, args, flops_per_step, ceiling, peak):
     device = args.device
     model = prepare(variant, ours_cpu, device)
     step = make_step(variant, model, batch)
@@ -161,7 +164,8 @@ def bench_variant(variant, ours_cpu, batch, args, flops_per_step, ceiling):
     tokens = args.batch * (args.input_length + args.target_length)
     tflops = flops_per_step / step_s / 1e12
     row = {"variant": variant, "first_loss": first_loss, "last_loss": float(loss.detach()), "ms_per_step": 1e3 * step_s,
-           "tokens_per_s": tokens / step_s, "tflops": tflops, "mfu": tflops / ceiling,
+           "tokens_per_s": tokens / step_s, "tflops": tflops, "mfu": tflops / peak if peak else float("nan"),
+           "of_gemm": tflops / ceiling,
            "first_step_s": first_step_s,
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")}
     del model, step
@@ -173,7 +177,7 @@ def bench_variant(variant, ours_cpu, batch, args, flops_per_step, ceiling):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["mt5-base", "mt5-large"])
-    parser.add_argument("--variants", nargs="+", default=["hf", "ours", "ours-compile"], choices=VARIANTS,
+    parser.add_argument("--variants", nargs="+", default=["hf", "hf-compile", "ours", "ours-compile"], choices=VARIANTS,
                         metavar="VARIANT", help=f"any of {', '.join(VARIANTS)} (see above)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--input-length", type=int, default=512)
@@ -182,6 +186,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (the first compiles)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--matmul-size", type=int, default=8192)
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="dense bf16 peak for MFU (default: the datasheet figure of the device, PEAK_TFLOPS)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default="", help="variant to profile (3 steps, every model) after timing")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
@@ -198,7 +204,9 @@ def main() -> int:
     except ImportError:
         pass
     ceiling = matmul_ceiling_tflops(args.device, args.matmul_size)
-    print(f"{env} bf16 {args.matmul_size}^3 matmul ceiling: {ceiling:.1f} TFLOP/s", flush=True)
+    peak = peak_tflops_for(env["device"], "bf16", args.peak_tflops)
+    print(f"{env} bf16 {args.matmul_size}^3 matmul ceiling: {ceiling:.1f} TFLOP/s; datasheet peak: {peak} TFLOP/s",
+          flush=True)
 
     rows = []
     for preset in args.models:
@@ -217,7 +225,7 @@ def main() -> int:
               f"(batch {args.batch}, lengths {args.input_length}/{args.target_length})", flush=True)
         for variant in args.variants:
             try:
-                row = bench_variant(variant, ours_cpu, batch, args, flops, ceiling)
+                row = bench_variant(variant, ours_cpu, batch, args, flops, ceiling, peak)
             except torch.OutOfMemoryError as err:
                 row = {"variant": variant, "error": f"out of memory: {str(err).splitlines()[0]}"}
             except Exception as err:  # keep the other variants' numbers; report this one's failure
@@ -230,26 +238,28 @@ def main() -> int:
         del ours_cpu
 
     for row in rows:
-        base = next((r for r in rows if r["model"] == row["model"] and r["variant"] == "hf" and "error" not in r),
-                    None)
-        if base and "error" not in row:
-            row["speedup_vs_hf"] = row["tokens_per_s"] / base["tokens_per_s"]
-    header = ("| model | variant | ms/step | tokens/s | TFLOP/s | MFU | x HF | peak GiB | first step s | loss |\n"
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for baseline, key in (("hf", "speedup_vs_hf"), ("hf-compile", "speedup_vs_hf_compile")):
+            base = next((r for r in rows if r["model"] == row["model"] and r["variant"] == baseline
+                         and "error" not in r), None)
+            if base and "error" not in row:
+                row[key] = row["tokens_per_s"] / base["tokens_per_s"]
+    header = ("| model | variant | ms/step | tokens/s | TFLOP/s | MFU | x GEMM | x HF | x HF compiled | peak GiB | "
+              "first step s | loss |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [header]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['variant']} | {r['error']} |||||||")
+            lines.append(f"| {r['model']} | {r['variant']} | {r['error']} |||||||||")
             continue
         lines.append(f"| {r['model']} | {r['variant']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['tflops']:.1f} | {100 * r['mfu']:.1f}% | {r.get('speedup_vs_hf', float('nan')):.2f} | "
+                     f"{r['tflops']:.1f} | {100 * r['mfu']:.1f}% | {100 * r['of_gemm']:.1f}% | "
+                     f"{r.get('speedup_vs_hf', float('nan')):.2f} | {r.get('speedup_vs_hf_compile', float('nan')):.2f} | "
                      f"{r['peak_mem_gib']:.1f} | {r['first_step_s']:.1f} | {r['first_loss']:.4f} |")
     table = "\n".join(lines)
     summary = (f"{env['device']}, torch {env['torch']}, transformers {env.get('transformers', '-')}; bf16 params + "
                f"fused AdamW; batch {args.batch}, inputs {args.input_length}, targets {args.target_length}; "
-               f"{args.steps} timed steps after {args.warmup} warm-up; MFU vs measured bf16 "
-               f"{args.matmul_size}^3 matmul ceiling {ceiling:.1f} TFLOP/s")
-    (out / "results.json").write_text(json.dumps({"env": env, "ceiling_tflops": ceiling, "args": vars(args),
+               f"{args.steps} timed steps after {args.warmup} warm-up; MFU vs the datasheet dense bf16 peak {peak} "
+               f"TFLOP/s; x GEMM vs a bf16 {args.matmul_size}^3 matmul measured here, {ceiling:.1f} TFLOP/s")
+    (out / "results.json").write_text(json.dumps({"env": env, "ceiling_tflops": ceiling, "peak_tflops": peak, "args": vars(args),
                                                   "rows": rows}, indent=2))
     (out / "results.md").write_text(summary + "\n\n" + table + "\n")
     print("\n" + summary + "\n\n" + table, flush=True)

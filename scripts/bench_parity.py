@@ -1,0 +1,257 @@
+"""Loss parity of the fast path: our T5 eager and compiled against HF's T5ForConditionalGeneration eager and compiled.
+
+    python scripts/bench_parity.py --data SHARDS --model t5-v1_1-base --batch 64 --steps 400 --out /tmp/parity
+    python scripts/bench_parity.py --pretrain --data SHARDS --model t5-v1_1-base --batch 64 --steps 400 --out /tmp/p
+
+Default mode (pure torch + transformers, no DeepSpeed, no Ray): every variant starts from the same weights (ours
+built with the seed, HF's made from them by pretrain.model.hf.to_hf) and trains on the same batches in the same
+order (the trainer's GlobalOrderSampler over the shard set, seeded likewise) with torch AdamW, lr 5e-4 after a
+linear warmup of 50 steps (the trainer's LRSchedule, constant), gradient-norm clip 1.0; fp32 parameters under bf16
+autocast on CUDA, plain fp32 on CPU (`--precision` overrides). Variants: ours (eager), ours-compile
+(`T5Model.compile_regions`), hf (eager), hf-compile (`torch.compile` of the whole HF model, dynamic=False).
+
+`--pretrain` runs `pretrain` itself instead (DeepSpeed, bf16 parameters, ZeRO 2 on one process, the same data,
+seed and schedule), once without and once with `--compile`, and tabulates their metrics.jsonl losses the same
+way (variants pretrain, pretrain-compile; HF is not in this mode, its reference is the eager run).
+
+Printed (and written to OUT/parity.md, the curves to OUT/parity.png, every loss to OUT/parity.json): the mean
+loss of each variant per window of `--window` steps, each variant's last window against the reference (HF eager,
+or `pretrain` eager with --pretrain) in %, the per-window max |difference| to the reference, and the noise
+reference: the spread of HF compiled against HF eager (the same math, another kernel order), per-window max
+|diff| over all windows and seeds. A variant whose gap to the reference exceeds that spread systematically (the
+same sign in every window) trains differently. `--device cpu --model t5-tiny --steps 20 --window 5` is a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pretrain.data.dataset import ShardDataset  # noqa: E402
+from pretrain.data.sampler import GlobalOrderSampler  # noqa: E402
+from pretrain.model.t5 import T5Model, build  # noqa: E402
+from pretrain.trainer import LRSchedule  # noqa: E402
+
+VARIANTS = ("ours", "ours-compile", "hf", "hf-compile")
+PRETRAIN_VARIANTS = ("pretrain", "pretrain-compile")
+
+
+def batches(dataset: ShardDataset, batch: int, seed: int, steps: int, device: str):
+    """The first `steps` global batches of the trainer's data order (GlobalOrderSampler, one rank), as tensors."""
+    sampler = GlobalOrderSampler(len(dataset), batch, seed)
+    per_epoch = len(dataset) // batch
+    for step in range(steps):
+        epoch, k = divmod(step, per_epoch)
+        inputs, labels = dataset.get_batch(sampler.global_batch(epoch, k), dtype=np.int64)
+        yield torch.from_numpy(inputs).to(device), torch.from_numpy(labels).to(device)
+
+
+def prepare(variant: str, ours_cpu: T5Model, device: str) -> torch.nn.Module:
+    """An fp32 copy of `ours_cpu` for `variant` on `device` (HF's by to_hf), compiled as the variant says."""
+    if variant.startswith("hf"):
+        from pretrain.model.hf import to_hf
+        model = to_hf(ours_cpu)
+    else:
+        model = T5Model(dataclasses.replace(ours_cpu.config))
+        model.load_state_dict(ours_cpu.state_dict())
+    model = model.to(device=device, dtype=torch.float32).train()
+    if variant == "hf-compile":
+        model = torch.compile(model, dynamic=False)
+    elif variant == "ours-compile":
+        model.compile_regions()
+    return model
+
+
+def train_variant(variant: str, ours_cpu: T5Model, data, args) -> dict:
+    """Losses and grad norms of `args.steps` steps of `variant` (torch AdamW, warmup + constant lr, clip)."""
+    model = prepare(variant, ours_cpu, args.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    schedule = LRSchedule("constant", args.warmup, args.steps, 1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    autocast = torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.precision == "bf16")
+    losses, grad_norms = [], []
+    start = time.perf_counter()
+    for input_ids, labels in data:
+        optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            if variant.startswith("hf"):
+                loss = model(input_ids=input_ids, labels=labels).loss
+            else:
+                loss = model(input_ids, labels=labels)
+        loss.backward()
+        grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip).detach())
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.detach().float())
+    losses = torch.stack(losses).cpu().tolist()        # one sync at the end
+    grad_norms = torch.stack(grad_norms).float().cpu().tolist()
+    seconds = time.perf_counter() - start
+    del model, optimizer
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return {"losses": losses, "grad_norms": grad_norms, "seconds": seconds}
+
+
+def run_pretrain(variant: str, seed: int, args) -> dict:
+    """One `pretrain` run (DeepSpeed ZeRO 2, bf16 on CUDA, one process) -> its per-step losses from metrics.jsonl."""
+    out = Path(args.out) / "runs" / f"{variant}-seed{seed}"
+    command = [sys.executable, "-m", "pretrain.cli", "--zero", "2", "--model", args.model, "--data", args.data,
+               "--out", str(out), "--steps", str(args.steps), "--micro-batch", str(args.batch),
+               "--global-batch", str(args.batch), "--lr", str(args.lr), "--warmup-steps", str(args.warmup),
+               "--schedule", "constant", "--grad-clip", str(args.clip), "--weight-decay", "0", "--seed", str(seed),
+               "--precision", args.precision, "--no-save-final", "--log-every", str(args.window), "--nproc", "1"]
+    if variant == "pretrain-compile":
+        command.append("--compile")
+    print(" ".join(command), flush=True)
+    start = time.perf_counter()
+    subprocess.run(command, check=True, cwd=Path(__file__).resolve().parents[1])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {"losses": [r["loss"] for r in records], "grad_norms": [r.get("grad_norm") for r in records],
+            "seconds": time.perf_counter() - start}
+
+
+def window_means(losses: list[float], window: int) -> list[float]:
+    return [float(np.mean(losses[i:i + window])) for i in range(0, len(losses), window)]
+
+
+def tabulate(results: dict, variants: list[str], reference: str, window: int, steps: int) -> tuple[str, dict]:
+    """The per-window table (mean over seeds of the window means), the last window vs `reference` in %, each
+    variant's per-window max |gap| to the reference (over seeds), and the HF compiled vs HF eager spread."""
+    seeds = sorted(results)
+    means = {v: np.mean([window_means(results[s][v]["losses"], window) for s in seeds], axis=0) for v in variants}
+    gaps = {v: np.array([np.subtract(window_means(results[s][v]["losses"], window),
+                                     window_means(results[s][reference]["losses"], window)) for s in seeds])
+            for v in variants}
+    starts = list(range(0, steps, window))
+    lines = [f"| loss, mean of steps | {' | '.join(variants)} |", "|---" * (len(variants) + 1) + "|"]
+    for i, first in enumerate(starts):
+        lines.append(f"| {first}-{min(first + window, steps) - 1} | "
+                     + " | ".join(f"{means[v][i]:.4f}" for v in variants) + " |")
+    lines.append(f"| last window vs {reference} | " + " | ".join(
+        "-" if v == reference else f"{100 * (means[v][-1] / means[reference][-1] - 1):+.2f}%" for v in variants) + " |")
+    lines.append(f"| max abs gap to {reference}, any window | " + " | ".join(
+        "-" if v == reference else f"{np.abs(gaps[v]).max():.4f}" for v in variants) + " |")
+    lines.append(f"| windows above {reference} | " + " | ".join(
+        "-" if v == reference else f"{int((gaps[v].mean(axis=0) > 0).sum())}/{len(starts)}" for v in variants) + " |")
+    summary = {"window_means": {v: means[v].tolist() for v in variants},
+               "max_abs_gap": {v: float(np.abs(gaps[v]).max()) for v in variants if v != reference}}
+    text = "\n".join(lines)
+    if "hf" in variants and "hf-compile" in variants:
+        spread = np.abs(np.array([np.subtract(window_means(results[s]["hf-compile"]["losses"], window),
+                                              window_means(results[s]["hf"]["losses"], window)) for s in seeds]))
+        summary["hf_compile_spread"] = float(spread.max())
+        text += (f"\n\nnoise reference: HF compiled vs HF eager, per-window max |diff| over {len(starts)} windows x "
+                 f"{len(seeds)} seed(s): {spread.max():.4f} (mean {spread.mean():.4f})")
+    return text, summary
+
+
+def plot(results: dict, variants: list[str], reference: str, window: int, path: Path) -> None:
+    """Loss curves (seed 0: per step, faint; window means, bold) and each variant's gap to the reference."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    seed = sorted(results)[0]
+    figure, (curves, gaps) = plt.subplots(2, 1, figsize=(9, 8), sharex=True)
+    for variant in variants:
+        losses = results[seed][variant]["losses"]
+        line, = curves.plot(losses, alpha=0.3, linewidth=0.8)
+        centres = [i + window / 2 for i in range(0, len(losses), window)]
+        curves.plot(centres, window_means(losses, window), color=line.get_color(), linewidth=2, marker="o",
+                    label=variant)
+        if variant != reference:
+            gap = np.subtract(window_means(losses, window), window_means(results[seed][reference]["losses"], window))
+            gaps.plot(centres, gap, color=line.get_color(), marker="o", label=f"{variant} - {reference}")
+    curves.set_ylabel("loss")
+    curves.set_title(f"loss parity, seed {seed} (bold: means of {window}-step windows)")
+    curves.legend()
+    gaps.axhline(0, color="grey", linewidth=0.8)
+    gaps.set_xlabel("step")
+    gaps.set_ylabel(f"window mean minus {reference}")
+    gaps.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", required=True, help="shard set written by `prep corpus`")
+    parser.add_argument("--model", default="t5-v1_1-base", help="model preset (configs/models/*.yaml)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), metavar="VARIANT",
+                        help=f"any of {', '.join(VARIANTS)} (default all; ignored with --pretrain)")
+    parser.add_argument("--pretrain", action="store_true", help="run `pretrain` (DeepSpeed ZeRO 2) eager and --compile")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="init and data-order seeds")
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--warmup", type=int, default=50, help="linear warmup steps, then constant")
+    parser.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip")
+    parser.add_argument("--window", type=int, default=50, help="steps per window of the table")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="auto: bf16 (autocast, fp32 parameters; with --pretrain bf16 parameters) on CUDA, fp32 on CPU")
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench_parity_out"))
+    args = parser.parse_args()
+    if args.precision == "auto":
+        args.precision = "bf16" if args.device == "cuda" else "fp32"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch._dynamo.config.cache_size_limit = 64
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+    try:
+        import transformers
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    dataset = ShardDataset(args.data)
+    per_epoch = len(dataset) // args.batch
+    if per_epoch == 0:
+        parser.error(f"--batch {args.batch} is larger than the shard set ({len(dataset)} examples)")
+    variants = list(PRETRAIN_VARIANTS) if args.pretrain else args.variants
+    reference = "pretrain" if args.pretrain else ("hf" if "hf" in variants else variants[0])
+    mode = (f"pretrain (DeepSpeed ZeRO 2, {args.precision} parameters)" if args.pretrain else
+            "bf16 autocast, fp32 parameters" if args.precision == "bf16" else "fp32")
+    header = (f"{env}; {args.model}, batch {args.batch} at {dataset.input_length}/{dataset.target_length}, "
+              f"{args.steps} steps ({args.steps / per_epoch:.1f} epochs of {len(dataset)} examples), {mode}; "
+              f"AdamW lr {args.lr} (warmup {args.warmup}, constant), clip {args.clip}; seeds {args.seeds}")
+    print(header, flush=True)
+
+    results: dict[int, dict] = {}
+    for seed in args.seeds:
+        results[seed] = {}
+        ours_cpu = None if args.pretrain else build(args.model, seed=seed)
+        for variant in variants:
+            if args.pretrain:
+                result = run_pretrain(variant, seed, args)
+            else:
+                data = batches(dataset, args.batch, seed, args.steps, args.device)
+                result = train_variant(variant, ours_cpu, data, args)
+            results[seed][variant] = result
+            losses = result["losses"]
+            print(f"seed {seed} {variant}: {result['seconds']:.0f}s, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+                  f"window means {' '.join(f'{m:.4f}' for m in window_means(losses, args.window))}", flush=True)
+
+    table, summary = tabulate(results, variants, reference, args.window, args.steps)
+    text = f"{header}\n\n{table}\n"
+    print("\n" + text, flush=True)
+    (out / "parity.md").write_text(text)
+    (out / "parity.json").write_text(json.dumps({"env": env, "args": vars(args), "summary": summary,
+                                                 "results": {str(s): r for s, r in results.items()}}, indent=1))
+    plot(results, variants, reference, args.window, out / "parity.png")
+    print(f"wrote {out / 'parity.md'}, {out / 'parity.json'}, {out / 'parity.png'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
