@@ -48,17 +48,20 @@ class GlobalOrderSampler(Sampler[int]):
         self.epoch = 0
         self.rank_position = 0  # indices of `epoch` this rank has yielded (over all its slices)
 
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """All samples in the order of `epoch`: a permutation seeded by (seed, epoch)."""
+        return np.random.default_rng((self.seed, int(epoch))).permutation(self.num_samples)
+
     def epoch_indices(self, epoch: int) -> np.ndarray:
         """This rank's indices of `epoch` as [batches_per_epoch, rank_batch_size] (row k: its slice of batch k)."""
-        order = np.random.default_rng((self.seed, int(epoch))).permutation(self.num_samples)
+        order = self.epoch_order(epoch)
         batches = order[: self.batches_per_epoch * self.global_batch_size].reshape(self.batches_per_epoch, -1)
         start = self.rank * self.rank_batch_size
         return batches[:, start:start + self.rank_batch_size]
 
     def global_batch(self, epoch: int, k: int) -> np.ndarray:
         """All B indices of global batch k of `epoch` (what every world size agrees on)."""
-        order = np.random.default_rng((self.seed, int(epoch))).permutation(self.num_samples)
-        return order[k * self.global_batch_size:(k + 1) * self.global_batch_size]
+        return self.epoch_order(epoch)[k * self.global_batch_size:(k + 1) * self.global_batch_size]
 
     def __len__(self) -> int:
         """Indices per epoch on this rank."""
@@ -91,3 +94,32 @@ class GlobalOrderSampler(Sampler[int]):
         full %= self.batches_per_epoch
         self.seed, self.epoch = seed, epoch
         self.rank_position = full * self.rank_batch_size + partial // self.world_size
+
+
+class ShardOrderSampler(GlobalOrderSampler):
+    """A GlobalOrderSampler whose epoch order walks the shards one after another (for shard sets streamed from
+    object storage: a shard is fetched once, read, then evicted). Epoch e: the shards in the order
+    `default_rng((seed, e)).permutation(n_shards)`, each shard's rows permuted by `default_rng((seed, e, shard))`.
+    Batches, rank slices and state are GlobalOrderSampler's (world-size independent, exact resume)."""
+
+    def __init__(self, shard_rows, global_batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+        self.shard_rows = np.asarray(shard_rows, dtype=np.int64)
+        self.shard_offsets = np.concatenate([[0], np.cumsum(self.shard_rows)]).astype(np.int64)
+        super().__init__(int(self.shard_rows.sum()), global_batch_size, seed, rank=rank, world_size=world_size)
+
+    def shard_sequence(self, epoch: int) -> np.ndarray:
+        """The shards in the order epoch `epoch` reads them."""
+        return np.random.default_rng((self.seed, int(epoch))).permutation(len(self.shard_rows))
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        parts = [self.shard_offsets[s] + np.random.default_rng((self.seed, int(epoch), int(s))).permutation(
+            int(self.shard_rows[s])) for s in self.shard_sequence(epoch)]
+        return np.concatenate(parts)
+
+    def shards_ahead(self, epoch: int, consumed_samples: int) -> tuple[list[int], list[int]]:
+        """(shards already read, in order; shards still to read, in order) of `epoch` once `consumed_samples` global
+        samples of it are consumed (the shard holding the next sample comes first among those to read)."""
+        sequence = [int(s) for s in self.shard_sequence(epoch)]
+        ends = np.cumsum(self.shard_rows[sequence])
+        first_open = int(np.searchsorted(ends, consumed_samples, side="right"))
+        return sequence[:first_open], sequence[first_open:]

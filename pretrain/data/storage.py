@@ -174,3 +174,154 @@ def _download_shard(fs, remote: str, local: Path, shard: dict[str, Any]) -> None
         os.replace(tmp, local)
     finally:
         Path(tmp).unlink(missing_ok=True)
+
+
+# -- streaming: the `remote` loader mode -------------------------------------------------------------------------
+
+def read_remote_manifest(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The checked manifest of the shard set at `url`, read from the store (nothing cached)."""
+    fs = open_filesystem(url, storage_options)
+    manifest_url = f"{url.rstrip('/')}/{MANIFEST_NAME}"
+    try:
+        return parse_manifest(fs.cat_file(manifest_url), manifest_url)
+    except FileNotFoundError:
+        raise UserError(f"{manifest_url}: no manifest; check the URL or upload the whole shard set "
+                        f"(run `prep corpus` and copy its output directory)") from None
+    except UserError:
+        raise
+    except Exception as err:  # network, credentials, endpoint: the backend's own exception types vary
+        raise UserError(f"{manifest_url}: cannot read ({type(err).__name__}: {err}); check the endpoint "
+                        f"(AWS_ENDPOINT_URL) and credentials") from None
+
+
+class ShardStreamer:
+    """A remote shard set read shard by shard through a bounded local cache (`pretrain --loader remote`).
+
+        streamer = ShardStreamer("s3://b/shards/demo", prefetch=2, max_bytes=1 << 30)
+        dataset = ShardDataset(url, streamer=streamer); streamer.start(sampler)   # in the rank, before iterating
+
+    The manifest is read from the store (no download of the set). `fetch(i)` puts shard i into the cache (temp
+    name, size and sha256 checked, renamed; a per-shard flock so the ranks and loader workers of a node fetch it
+    once) and is what a reader calls before mapping a shard. `start(sampler)` runs a thread in the rank process
+    that follows the sampler (a `ShardOrderSampler`): it fetches the shard being read and `prefetch` shards after
+    it, in the order the sampler reads them, and evicts shards the consumer has finished so that the cache holds
+    at most `max_bytes` of shards. The cache never gets a manifest in this mode (it is never a complete copy).
+    Picklable: loader workers get a copy without the thread and filesystem.
+    """
+
+    def __init__(self, url: str, *, cache_dir: str | os.PathLike | None = None,
+                 storage_options: dict[str, Any] | None = None, prefetch: int = 2, max_bytes: int | None = None):
+        self.url = url.rstrip("/")
+        self.storage_options = storage_options
+        self.manifest = read_remote_manifest(self.url, storage_options)
+        self.shards = self.manifest["shards"]
+        for shard in self.shards:
+            rel = Path(shard["path"])
+            if rel.is_absolute() or ".." in rel.parts:
+                raise UserError(f"{self.url}/{MANIFEST_NAME}: shard path {shard['path']!r} leaves the shard set; "
+                                f"fix the manifest")
+        self.local_dir = cache_path_for(self.url, cache_dir)
+        self.local_dir.mkdir(parents=True, exist_ok=True)
+        self.prefetch = int(prefetch)
+        self.max_bytes = max_bytes
+        largest = max((int(s["bytes"]) for s in self.shards), default=0)
+        if max_bytes is not None and largest * (self.prefetch + 1) > max_bytes:
+            raise UserError(f"--cache-max-gib {max_bytes / (1 << 30):.3g} holds fewer than the {self.prefetch + 1} "
+                            f"shards (largest {largest / (1 << 20):.1f} MiB) that reading one and prefetching "
+                            f"{self.prefetch} needs; raise --cache-max-gib or lower --remote-prefetch-shards")
+        self.fetched: list[int] = []       # shard indices this process downloaded, in order (tests, the report)
+        self.evicted: list[int] = []
+        self.peak_cached_bytes = 0
+        self._fs = None
+        self._thread = None
+        self._stop = None
+        self._error: BaseException | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_fs=None, _thread=None, _stop=None, fetched=[], evicted=[])
+        return state
+
+    def _filesystem(self):
+        """This process's own filesystem object (fsspec's async ones are not fork-safe: a forked loader worker
+        makes its own, outside fsspec's instance cache)."""
+        if self._fs is None or self._fs[0] != os.getpid():
+            options = {**(self.storage_options or {}), "skip_instance_cache": True}
+            self._fs = (os.getpid(), open_filesystem(self.url, options))
+        return self._fs[1]
+
+    def present(self, index: int) -> bool:
+        return shard_file_problem(self.local_dir, self.shards[index], check_sha=False) is None
+
+    def cached_bytes(self) -> int:
+        return sum(int(s["bytes"]) for i, s in enumerate(self.shards) if self.present(i))
+
+    def fetch(self, index: int) -> None:
+        """Shard `index` in the cache, checked (downloads it unless present; one process per node does)."""
+        if self._error is not None:
+            raise self._error
+        if self.present(index):
+            return
+        shard = self.shards[index]
+        local = self.local_dir / shard["path"]
+        local.parent.mkdir(parents=True, exist_ok=True)
+        with _cache_lock(local):
+            if not self.present(index):
+                _download_shard(self._filesystem(), f"{self.url}/{shard['path']}", local, shard)
+                self.fetched.append(index)
+
+    def evict(self, index: int) -> None:
+        path = self.local_dir / self.shards[index]["path"]
+        if path.exists():
+            path.unlink(missing_ok=True)
+            self.evicted.append(index)
+
+    # -- the prefetch thread (rank process only) -------------------------------------------------------------
+
+    def start(self, sampler) -> None:
+        """Follow `sampler` (a ShardOrderSampler) from now on: fetch ahead, evict behind."""
+        import threading
+
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, args=(sampler,), name="shard-prefetch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def _wanted(self, sampler) -> tuple[list[int], list[int]]:
+        state = sampler.state_dict()
+        epoch, consumed = int(state["epoch"]), int(state["consumed_samples"])
+        done, ahead = sampler.shards_ahead(epoch, consumed)
+        while len(ahead) < self.prefetch + 1:            # the next epoch's first shards follow
+            epoch += 1
+            ahead = ahead + [int(s) for s in sampler.shard_sequence(epoch) if int(s) not in ahead]
+            if len(ahead) >= len(self.shards):
+                break
+        return done, ahead[:self.prefetch + 1]
+
+    def _follow(self, sampler) -> None:
+        try:
+            while not self._stop.is_set():
+                done, wanted = self._wanted(sampler)
+                for index in done:
+                    if index not in wanted:
+                        self.evict(index)
+                work = False
+                for index in wanted:
+                    if self.present(index):
+                        continue
+                    size = int(self.shards[index]["bytes"])
+                    if self.max_bytes is not None and self.cached_bytes() + size > self.max_bytes:
+                        break                                 # wait for the consumer to finish a shard
+                    self.fetch(index)
+                    work = True
+                    break                                     # re-read the position after every download
+                self.peak_cached_bytes = max(self.peak_cached_bytes, self.cached_bytes())
+                if not work:
+                    self._stop.wait(0.02)
+        except BaseException as err:       # the reader that needs the shard re-raises it
+            self._error = err

@@ -1,5 +1,5 @@
-"""A study's four PNG plots (matplotlib, Agg): throughput and memory per ZeRO stage, data wait vs loader workers,
-and the step-time breakdown of every finished point.
+"""A study's five PNG plots (matplotlib, Agg): throughput and memory per ZeRO stage, data wait vs loader workers,
+the step-time breakdown of every finished point and its host CPU by role.
 
     write_plots(read_results_csv("studies/x/results.csv"), "studies/x")   # throughput.png, memory.png, ...
 """
@@ -17,7 +17,10 @@ from pretrain.study.report import (DATA_WAIT_TARGET, group_by, group_label, larg
                                    stage_label, stage_order)
 
 PLOTS = {"throughput": "throughput.png", "memory": "memory.png", "data_wait": "data_wait.png",
-         "step_time": "step_time.png"}
+         "step_time": "step_time.png", "host_cpu": "host_cpu.png"}
+HOST_ROLES = (("cpu_loader_workers_s", "loader workers", "tab:red"), ("cpu_loader_inline_s", "loading in the rank",
+              "tab:orange"), ("cpu_train_s", "forward/backward/comm", "tab:blue"),
+              ("cpu_optimizer_s", "optimizer (CPU-Adam)", "tab:green"))
 
 
 # ------------------------------------------------------------------------------------------------ plots
@@ -155,6 +158,32 @@ def plot_step_time(rows: list[dict[str, Any]], path: Path, extra_axes: tuple[str
     return _save(plt, fig, path)
 
 
+def _point_label(r: dict[str, Any], extra_axes: tuple[str, ...]) -> str:
+    return (f"{r['model']} z{r['zero']}{'' if r['offload'] == 'none' else '+' + r['offload']} mb{r['micro_batch']} "
+            f"w{r['loader_workers']} n{r['nproc']}" + "".join(f" {axis}={r.get(axis)}" for axis in extra_axes))
+
+
+def plot_host_cpu(rows: list[dict[str, Any]], path: Path, extra_axes: tuple[str, ...] = ()) -> Path:
+    """Host CPU use by role per finished point (rank 0, median CPU seconds per step over the step time: cores)."""
+    ok = [r for r in ok_rows(rows) if r.get("cpu_rank_s") is not None and r.get("step_time_s")]
+    plt, fig, axes = _figure(1, width=9.0, height=max(3.0, 0.28 * len(ok) + 1.2))
+    ax = axes[0]
+    if ok:
+        left = [0.0] * len(ok)
+        for key, label, color in HOST_ROLES:
+            cores = [(r.get(key) or 0.0) / r["step_time_s"] for r in ok]
+            ax.barh(range(len(ok)), cores, left=left, label=label, color=color)
+            left = [a + b for a, b in zip(left, cores)]
+        ax.set_yticks(list(range(len(ok))), [_point_label(r, extra_axes) for r in ok], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("host cores busy (rank 0: CPU seconds per step / step time)")
+        ax.legend(fontsize=8)
+    else:
+        _no_data(ax, "no host accounting recorded")
+    ax.set_title("Host CPU by role")
+    return _save(plt, fig, path)
+
+
 def write_plots(rows: list[dict[str, Any]], out_dir: str | os.PathLike,
                 extra_axes: tuple[str, ...] = ()) -> dict[str, Path]:
     """The four PNGs of PLOTS in `out_dir`."""
@@ -162,4 +191,5 @@ def write_plots(rows: list[dict[str, Any]], out_dir: str | os.PathLike,
     return {"throughput": plot_throughput(rows, out_dir / PLOTS["throughput"]),
             "memory": plot_memory(rows, out_dir / PLOTS["memory"]),
             "data_wait": plot_data_wait(rows, out_dir / PLOTS["data_wait"]),
-            "step_time": plot_step_time(rows, out_dir / PLOTS["step_time"], extra_axes)}
+            "step_time": plot_step_time(rows, out_dir / PLOTS["step_time"], extra_axes),
+            "host_cpu": plot_host_cpu(rows, out_dir / PLOTS["host_cpu"], extra_axes)}

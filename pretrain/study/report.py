@@ -297,6 +297,56 @@ def _setup_section(rows: list[dict[str, Any]], setup: dict[str, Any]) -> str:
     return text
 
 
+def _same_within_spread(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two points' throughputs differ by less than TIE_MARGIN or either point's own step-to-step spread."""
+    fast, slow = max(a["tokens_per_s"], b["tokens_per_s"]), min(a["tokens_per_s"], b["tokens_per_s"])
+    margin = max(TIE_MARGIN, a.get("tokens_per_s_spread") or 0.0, b.get("tokens_per_s_spread") or 0.0)
+    return (fast - slow) / fast <= margin
+
+
+def loading_findings(rows: list[dict[str, Any]]) -> list[str]:
+    """Per model and stage, from the host accounting (issue 16): the host cores loading keeps busy at the stage's
+    consumption rate (rank 0's loader cores x ranks), what the `online` mode costs the step beside `shards` at equal
+    workers (a difference inside the spread is reported as none), and the fastest loader mode + workers + threads
+    whose data wait stays under DATA_WAIT_TARGET."""
+    lines = []
+    groups, several_nproc = model_groups([{"loader": "shards", **r} for r in ok_rows(rows)])  # older rows: shards
+    for (model, nproc), group in groups.items():
+        for zero, offload in stage_order(group):
+            stage = [r for r in group if (r["zero"], r["offload"]) == (zero, offload)]
+            name = f"**{group_label(model, nproc, several_nproc)}, {stage_label(zero, offload)}**"
+            parts = []
+            for (mode,), items in sorted(group_by(stage, "loader").items(), key=lambda kv: str(kv[0])):
+                cores = [r["loader_cores"] * r["nproc"] for r in items if r.get("loader_cores") is not None]
+                if cores:
+                    parts.append(f"`{mode}` keeps {max(cores):.2g} host core(s) busy loading")
+            costs = []
+            by_workers = group_by(stage, "loader_workers")
+            for (workers,), items in sorted(by_workers.items()):
+                modes = {r.get("loader"): r for r in items}
+                if "shards" in modes and "online" in modes:
+                    base, online = modes["shards"], modes["online"]
+                    if _same_within_spread(base, online):
+                        costs.append(f"none at {workers} workers (inside the spread)")
+                    else:
+                        costs.append(f"{online['step_time_s'] / base['step_time_s']:.2f}x the step at {workers} workers")
+            if costs:
+                parts.append("online vs shards: " + ", ".join(costs))
+            quiet = [r for r in stage if r.get("data_wait_share") is not None and r["data_wait_share"] < DATA_WAIT_TARGET]
+            if quiet:
+                best = max(quiet, key=lambda r: r["tokens_per_s"])
+                threads = best.get("omp_num_threads")
+                parts.append(f"fastest under {DATA_WAIT_TARGET:.0%} data wait: `{best.get('loader', 'shards')}`, "
+                             f"{best['loader_workers']} workers"
+                             + (f", {threads} OpenMP threads" if threads else "")
+                             + (f", cpu_affinity {best['cpu_affinity']}" if best.get("cpu_affinity") not in (None, "none") else "")
+                             + f" ({format_rate(best['tokens_per_s'])})")
+            else:
+                parts.append(f"no point kept data wait under {DATA_WAIT_TARGET:.0%}")
+            lines.append(f"- {name}: " + "; ".join(parts) + ".")
+    return lines
+
+
 def render_markdown(rows: list[dict[str, Any]], setup: dict[str, Any], plots: dict[str, Path],
                     extra_axes: tuple[str, ...] = ()) -> str:
     """The whole report.md: title, setup, results table, per-stage comparison, plots, recommendations."""
@@ -316,6 +366,9 @@ def render_markdown(rows: list[dict[str, Any]], setup: dict[str, Any], plots: di
         + "\n".join(fastest_that_fits(rows, extra_axes))
         + f"\n\n### Fewest loader workers that keep data wait under {DATA_WAIT_TARGET:.0%}\n\n"
         + "\n".join(fewest_workers(rows) or ["- No point finished; the data can't tell."])
+        + "\n\n### Data loading and host CPU\n\nCores are rank 0's loader CPU over step time times the ranks "
+        "(pretrain.hostcpu); `online` tokenises and span-corrupts in the loader workers, `shards` reads mmap'd shards.\n\n"
+        + "\n".join(loading_findings(rows) or ["- No point recorded host accounting."])
         + "\n\n### How far the memory estimate can be trusted\n\nThe estimate counts what pretrain's method "
         "names (see Setup); a measured peak above it is what that method leaves out (allocator cache, "
         "workspaces, communication buffers, fragmentation); plan with the measured peak.\n\n" + "\n".join(estimate_accuracy(rows)),

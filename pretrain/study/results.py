@@ -21,6 +21,7 @@ from typing import Any, Iterable, Sequence
 from pipeline.common import UserError, atomic_write_bytes
 from pipeline.settings import field_names, setting_type
 from pretrain.config import TrainConfig
+from pretrain.hostcpu import HOST_KEYS
 from pretrain.metrics import read_metrics, steady_state_figures
 from pretrain.study import plots, report
 from pretrain.study.grid import CLASSIC_AXES
@@ -31,14 +32,16 @@ POINT_CONFIG = "point.yaml"
 RUNS_DIR = "runs"
 RESULTS_CSV = "results.csv"
 FINISHED_STATUSES = ("ok", "failed", "oom", "timeout")
+HOST_COLUMNS = HOST_KEYS      # rank 0's host accounting, medians over the steady steps (pretrain.hostcpu)
 METRIC_COLUMNS = ("global_batch", "grad_accum", "steps", "status", "reason", "steps_done", "steps_measured",
                   "tokens_per_s", "tokens_per_s_spread", "samples_per_s", "tflops_per_gpu", "mfu", "step_time_s",
                   "data_wait_s", "compute_s", "data_wait_share", "peak_mem_gib", "est_gpu_gib", "est_cpu_gib",
-                  "est_method", "wall_s")
+                  "est_method", "wall_s", *HOST_COLUMNS)
 """The columns after the axes; a TrainConfig field among them (steps, global_batch) is typed as the field."""
 INT_COLUMNS = {"grad_accum", "steps_done", "steps_measured"}
 FLOAT_COLUMNS = {"tokens_per_s", "tokens_per_s_spread", "samples_per_s", "tflops_per_gpu", "mfu", "step_time_s",
-                 "data_wait_s", "compute_s", "data_wait_share", "peak_mem_gib", "est_gpu_gib", "est_cpu_gib", "wall_s"}
+                 "data_wait_s", "compute_s", "data_wait_share", "peak_mem_gib", "est_gpu_gib", "est_cpu_gib", "wall_s",
+                 *HOST_COLUMNS}
 TEXT_COLUMNS = {"reason", "est_method"}     # empty reads back as "", not None
 _SETTINGS = field_names(TrainConfig)
 

@@ -102,7 +102,7 @@ def test_a_plain_dataloader_reads_it_too(dataset):
 def test_pickles_without_its_maps_and_reopens_them(dataset):
     dataset[0]
     clone = pickle.loads(pickle.dumps(dataset))
-    assert clone._chunks is None
+    assert clone._mapped == {}
     assert np.array_equal(clone.get_batch([5, 30])[0], dataset.get_batch([5, 30])[0])
 
 
@@ -293,3 +293,28 @@ def test_reads_a_set_written_by_prep_corpus(tiny_shards):
     assert (batch["input_ids"][:, -1] == eos_id).all() and (batch["labels"][:, -1] == eos_id).all()
     inputs, labels = real.get_batch(loader.sampler.global_batch(0, 0)[:4])
     assert np.array_equal(inputs, batch["input_ids"].numpy()) and np.array_equal(labels, batch["labels"].numpy())
+
+
+def test_a_flipped_byte_is_named_by_the_batch_check(tmp_path):
+    """Issue 14.12: a shard with one changed byte (size intact) passes the size check on open; with the model's
+    vocabulary as `token_limit` the first batch that reads the bad id names the shard and the fix, also when a
+    DataLoader worker read it (one line, no worker traceback)."""
+    out = tmp_path / "set"
+    write_shard_set(out, shard_rows=[5, 7], input_length=8, target_length=4, vocab_size=1024)
+    shard = out / "data" / "part-00000-0001.arrow"
+    data = bytearray(shard.read_bytes())
+    row = ShardDataset(out)[7]["input_ids"]                  # global row 7 = row 2 of the second shard
+    at = bytes(data).find(row.tobytes())
+    data[at + 3 * 4 + 3] ^= 0x40                            # token 3's high byte: id + 2**30
+    shard.write_bytes(bytes(data))
+    dataset = ShardDataset(out)
+    assert dataset.get_batch(np.arange(12))[0].max() >= 1 << 30     # unchecked, it would be trained on
+    dataset.token_limit = 1024
+    dataset.get_batch(np.arange(5))                          # the intact shard reads fine
+    with pytest.raises(UserError, match=r"part-00000-0001.arrow: token id \d+ outside the model's vocabulary"):
+        dataset.get_batch(np.arange(12))
+    for workers in (0, 1):
+        with make_loader(dataset, micro_batch_size=4, global_batch_size=12, seed=0, num_workers=workers) as loader:
+            with pytest.raises(UserError, match="prep verify") as err:
+                next(iter(loader))
+        assert "\n" not in str(err.value) and "Traceback" not in str(err.value)

@@ -90,7 +90,8 @@ def test_dry_run_refuses_a_bad_point_before_anything_runs(tmp_path):
 
 def test_shipped_grids():
     tiny = load_grid(CONFIGS_DIR / "study" / "cpu-tiny.yaml").points()
-    assert len(tiny) == 8 and {p.zero for p in tiny} == {0, 1, 2, 3} and {p.loader_workers for p in tiny} == {0, 2}
+    assert len(tiny) == 8 and {p.zero for p in tiny} == {0, 3} and {p.loader_workers for p in tiny} == {0, 2}
+    assert {p.loader for p in tiny} == {"shards", "online"}
     assert {(p.model, p.nproc) for p in tiny} == {("t5-tiny", 2)}
     x2 = load_grid(CONFIGS_DIR / "study" / "h200x2.yaml").points()
     assert {p.model for p in x2} == {"mt5-base", "mt5-large"} and {p.nproc for p in x2} == {2}
@@ -208,14 +209,16 @@ def test_a_prep_spec_that_fails_names_the_grid_file(tmp_path):
 
 @pytest.mark.slow
 def test_the_cpu_demo_grid_end_to_end(tmp_path):
-    """configs/study/cpu-tiny.yaml as shipped: tokenizer and shards prepared once, 8 real launches, the report."""
+    """configs/study/cpu-tiny.yaml as shipped: tokenizer and shards prepared once, 8 real launches over the loader
+    axis (shards vs online) too, the report."""
     out = tmp_path / "cpu-tiny"
     result = run_cli("run", str(CONFIGS_DIR / "study" / "cpu-tiny.yaml"), "--out", str(out), timeout=1200)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "8 points: 8 ok, 0 oom, 0 failed, 0 timeout" in result.stdout, result.stdout[-3000:]  # each point's reason
     with open(out / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert {(r["zero"], r["loader_workers"]) for r in rows} == {(str(z), str(w)) for z in range(4) for w in (0, 2)}
+    assert {(r["zero"], r["loader"], r["loader_workers"]) for r in rows} == {
+        (str(z), mode, str(w)) for z in (0, 3) for mode in ("shards", "online") for w in (0, 2)}
     assert all(float(r["tokens_per_s"]) > 0 and r["steps_measured"] == "25" for r in rows)
     assert "fastest that fits is ZeRO-" in (out / "report.md").read_text()
 
