@@ -11,12 +11,15 @@ the devices; a refusal is one line on stderr and exit status 2 (`--force` overri
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from pathlib import Path
 
-from pipeline.common import run_cli
+from pipeline.common import UserError, run_cli
 from pretrain.config import TrainConfig, add_train_flags, resolve_flags
+
+OUTPUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,24 +57,47 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    """Resolve the settings, run the preflight once, then train in this process (launched by torchrun or the
-    deepspeed launcher, or spawned by us) or spawn `--nproc` local ranks that run this again."""
-    from pretrain import preflight
-    from pretrain.ranks import SPAWNED_ENV, rank_env
+    """Resolve the settings, run the preflight once, then train in this process (launched by torchrun, the
+    deepspeed launcher, srun, or spawned by us) or spawn `--nproc` local ranks that run this again.
 
-    config = resolve_config(argv)
+    The launching process (ours, or global rank 0 of a launched job) holds the run directory's lock for the
+    run's life; a launched rank turns SIGTERM / SIGUSR1 / SIGINT into a checkpoint and exit status 75."""
+    from pretrain import preflight
+    from pretrain.ranks import SPAWNED_ENV, adopt_slurm_ranks, preemption, rank_env
+    from pretrain.runlock import BYTES_PER_PARAMETER_SAVED, acquire_run_lock, check_free_space
+
+    adopt_slurm_ranks()
     env = rank_env()
+    if env.launched:
+        preemption.install()       # from here on a signal means: save at the next step boundary, exit resumable
+    config = resolve_config(argv)
     spawned = os.environ.get(SPAWNED_ENV) == "1"
+    launching = not spawned and env.is_main      # our parent, or global rank 0 under torchrun / deepspeed / srun
     if not spawned:
         preflight.check_run_dir(config)
     local_world_size = env.local_world_size if env.launched else config.nproc
     plan = preflight.run_preflight(config, world_size=env.world_size if env.launched else config.nproc,
                                    local_world_size=local_world_size, announce=env.is_main and not spawned)
-    if env.launched:
-        from pretrain import trainer
-        return trainer.run_rank(config, plan, env)
-    from pretrain import launch
-    return launch.spawn_local(sys.argv[1:] if argv is None else list(argv), config.nproc, Path(config.out))
+    lock = None
+    if launching:       # a refused preflight leaves nothing behind; from here on one launch per run directory
+        lock = acquire_run_lock(config.out)                  # released by the OS when the run's last process ends
+        preflight.check_run_dir(config)                      # again: a launch that held it may just have finished
+        check_free_space(Path(config.out), plan.memory_estimate["parameters"] * BYTES_PER_PARAMETER_SAVED,
+                         what="one checkpoint")
+    try:
+        if env.launched:
+            from pretrain import trainer
+            return trainer.run_rank(config, plan, env)
+        from pretrain import launch
+        return launch.spawn_local(sys.argv[1:] if argv is None else list(argv), config.nproc, Path(config.out),
+                                  max_restarts=config.max_restarts, rank_timeout_s=config.rank_timeout,
+                                  lock_fd=None if lock is None else lock.fd)
+    except OSError as err:
+        if err.errno in OUTPUT_ERRNOS and err.filename:   # the run directory filled up or went read-only
+            from pipeline.common import describe_os_error
+            raise UserError(f"{err.filename}: {describe_os_error(err)}; free space there (or pick another --out) "
+                            f"and continue with --resume: complete checkpoints are kept") from None
+        raise
 
 
 if __name__ == "__main__":

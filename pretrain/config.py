@@ -22,6 +22,8 @@ ZERO_STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "cpu", "nvme")
 SCHEDULES = ("constant", "linear", "cosine", "inverse_sqrt")
 PRECISIONS = ("auto", "bf16", "fp32")
+LOADERS = ("shards", "online", "remote")   # pretrain.data: mmap'd shard set, text tokenised in the workers, s3 stream
+CPU_AFFINITIES = ("none", "split")
 GATHER_UNITS = ("block", "stack")     # ZeRO 3's unit of gathering; pretrain.model.zero3 maps each to a module
 STAGE3_TUNABLES = ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
                    "stage3_max_live_parameters", "stage3_max_reuse_distance")
@@ -58,8 +60,30 @@ class TrainConfig:
                                    "~10-30 s on the first step)")
     loader_workers: int = setting(0, "DataLoader workers per rank")
     prefetch_factor: int = setting(2, "batches prefetched per loader worker")
-    save_every: int = setting(0, "checkpoint every N steps (0: only at --stop-after)")
-    resume: bool = setting(False, "continue from the newest complete checkpoint in --out")
+    save_every: int = setting(0, "checkpoint every N steps (0: only at the end of the launch)")
+    # -- checkpoints, resume and anomalies (issues 14, 18; docs/pretrain.md "Checkpoints and resume", "Anomalies")
+    save_final: bool = setting(True, "checkpoint at the end of every launch (--no-save-final: none, e.g. for "
+                                     "throughput measurements; such a run cannot be resumed)")
+    keep_checkpoints: int = setting(0, "keep the newest K complete checkpoints, deleting older ones after each save "
+                                       "(never the one this launch resumed from; 0: keep all)")
+    resume: bool = setting(False, "continue from the newest complete checkpoint in --out (a newer one that fails to "
+                                  "load is skipped, with one line, for the one before it)")
+    resume_allow: list[str] = setting(default_factory=list, help="with --resume: settings that may differ from the "
+                                      "saved run's and apply from the resumed step on (e.g. steps schedule lr "
+                                      "data); model, zero, offload, precision and the global batch never may",
+                                      metavar="NAME")
+    spike_sigmas: float = setting(6.0, "skip the update of a step whose loss or gradient norm is more than this many "
+                                       "standard deviations above the mean of the last --spike-window accepted "
+                                       "steps (0: off; non-finite ones are always skipped)")
+    spike_window: int = setting(100, "accepted steps in the rolling window that spikes are measured against "
+                                     "(judged once the window is full)")
+    rollback_after: int = setting(3, "after this many skipped steps in a row, reload the newest checkpoint before "
+                                     "them and skip every global batch since it (0: never roll back)")
+    debug_nan_batches: list[int] = setting(default_factory=list, help="test/debug hook: make the loss of these "
+                                           "global batches (1-based) NaN", metavar="N")
+    debug_spike_batches: list[int] = setting(default_factory=list, help="test/debug hook: multiply the loss (and so "
+                                             "the gradients) of these global batches (1-based) by 1000",
+                                             metavar="N")
     seed: int = setting(0, "seed for model init and data order")
     nproc: int = setting(1, "local ranks to spawn; ignored under torchrun/deepspeed")
     vocab_size: int | None = setting(None, "pin the model vocabulary (default: follows the shard set's tokenizer)")
@@ -83,6 +107,31 @@ class TrainConfig:
     stage3_max_reuse_distance: int | None = setting(None, "ZeRO-3: keep a param gathered if reused within this")
     stage3_gather_unit: str = setting("block", "ZeRO-3: gather each T5 block, or each whole encoder/decoder stack "
                                                "at once", choices=GATHER_UNITS)
+    # -- long runs (issue 18; docs/pretrain.md "Long runs"): restarts of the local launcher, its watchdog -------
+    max_restarts: int = setting(0, "--nproc launches: when a rank dies or hangs, stop all ranks and start them again "
+                                   "with --resume from the newest complete checkpoint, up to N times (torchrun: "
+                                   "its own --max-restarts, with --resume)")
+    rank_timeout: float = setting(1800.0, "--nproc launches: seconds a rank may go without finishing a step or a "
+                                          "start-up phase before the job is stopped, naming the rank (0: never)")
+    # -- data loading and host CPU (issue 16; docs/loader.md): a loader mode, its settings, core binding --------
+    loader: str = setting("shards", "shards: mmap'd shard set; online: raw text read, tokenised and span-corrupted "
+                                    "in the loader workers (--data corpus files or a shard set whose corpus and "
+                                    "settings to reuse); remote: an s3:// shard set streamed shard by shard through "
+                                    "a bounded cache", choices=LOADERS)
+    noise_density: float | None = setting(None, "online: fraction of each raw window masked (a shard set given as "
+                                                "--data brings its own)", default_text=0.15)
+    mean_span_length: float | None = setting(None, "online: mean masked span length in tokens (a shard set given "
+                                                   "as --data brings its own)", default_text=3.0)
+    text_field: str = setting("text", "online: the JSON field / column holding each document's text")
+    unit_bytes: int | None = setting(None, "online: input bytes per work unit (the unit of distribution over ranks "
+                                           "and workers, and of resume)", default_text="4 MiB or the shard set's")
+    remote_prefetch_shards: int = setting(2, "remote: shards fetched ahead of the one being read")
+    cache_max_gib: float | None = setting(None, "remote: most GiB of shards kept in --cache-dir (consumed shards "
+                                                "are evicted; default: keep the whole set)")
+    omp_num_threads: int | None = setting(None, "OpenMP / torch intra-op threads per rank (DeepSpeed's CPU-Adam "
+                                                "runs on them under --offload cpu)", default_text="leave as is")
+    cpu_affinity: str = setting("none", "none, or split: loader workers pinned one core each, ranks on the other "
+                                        "cores (Linux sched_setaffinity)", choices=CPU_AFFINITIES)
     deepspeed: dict[str, Any] = setting(default_factory=dict, flag=False,
                                         help="raw DeepSpeed keys merged last (YAML only)")
     model_overrides: dict[str, Any] = setting(default_factory=dict, flag=False,
@@ -94,7 +143,8 @@ class TrainConfig:
                 raise UserError(message)
 
         for name, allowed in (("zero", ZERO_STAGES), ("offload", OFFLOADS), ("schedule", SCHEDULES),
-                              ("precision", PRECISIONS), ("stage3_gather_unit", GATHER_UNITS)):
+                              ("precision", PRECISIONS), ("stage3_gather_unit", GATHER_UNITS),
+                              ("loader", LOADERS), ("cpu_affinity", CPU_AFFINITIES)):
             need(getattr(self, name) in allowed,
                  f"--{name.replace('_', '-')} must be one of {', '.join(map(str, allowed))}; got {getattr(self, name)!r}")
         need(self.offload == "none" or self.zero >= 1,
@@ -108,7 +158,7 @@ class TrainConfig:
         for name in ("steps", "micro_batch", "nproc", "log_every", "prefetch_factor"):
             need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("warmup_steps", "save_every", "loader_workers", "steady_skip", "profile_steps", "grad_clip",
-                     "weight_decay"):
+                     "weight_decay", "keep_checkpoints", "spike_sigmas", "rollback_after"):
             need(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
         need(0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
@@ -117,8 +167,43 @@ class TrainConfig:
         need(self.global_batch is None or self.global_batch >= 1, "--global-batch must be >= 1")
         need(isinstance(self.deepspeed, dict) and isinstance(self.model_overrides, dict),
              "deepspeed and model_overrides must be mappings (YAML: `deepspeed: {key: value}`)")
+        self._check_loader(need)
+        need(self.max_restarts >= 0, f"--max-restarts must be >= 0, got {self.max_restarts}")
+        need(self.rank_timeout >= 0, f"--rank-timeout must be >= 0 seconds (0: no watchdog), got {self.rank_timeout}")
+        self._check_resume_and_anomalies(need)
         need(bool(self.data), "--data SHARDS is required (a shard set written by `prep corpus`)")
         need(bool(self.out), "--out RUN_DIR is required")
+
+    def _check_loader(self, need) -> None:
+        """The loader mode's settings (issue 16): each only where its mode reads it."""
+        online_only = ("noise_density", "mean_span_length", "unit_bytes")
+        need(self.loader == "online" or all(getattr(self, name) is None for name in online_only),
+             "--noise-density, --mean-span-length and --unit-bytes apply to --loader online; drop them or use it")
+        need(self.loader == "remote" or self.cache_max_gib is None,
+             "--cache-max-gib applies to --loader remote; drop it or use --loader remote")
+        need(self.loader != "remote" or "://" in self.data,
+             f"--loader remote reads an s3:// shard set; got --data {self.data!r} (use --loader shards for a local one)")
+        need(self.loader != "online" or not self.verify, "--verify checks shards; --loader online makes none")
+        need(self.remote_prefetch_shards >= 0, f"--remote-prefetch-shards must be >= 0, got {self.remote_prefetch_shards}")
+        need(self.cache_max_gib is None or self.cache_max_gib > 0, f"--cache-max-gib must be > 0, got {self.cache_max_gib}")
+        need(self.unit_bytes is None or self.unit_bytes >= 1024, f"--unit-bytes must be >= 1024, got {self.unit_bytes}")
+        need(self.omp_num_threads is None or self.omp_num_threads >= 1,
+             f"--omp-num-threads must be >= 1, got {self.omp_num_threads}")
+        need(self.noise_density is None or 0 < self.noise_density < 1,
+             f"--noise-density must lie strictly between 0 and 1, got {self.noise_density}")
+        need(self.mean_span_length is None or self.mean_span_length >= 1,
+             f"--mean-span-length must be >= 1, got {self.mean_span_length}")
+
+    def _check_resume_and_anomalies(self, need) -> None:
+        """--resume-allow names settings; the spike window has room for a mean and a deviation."""
+        unknown = sorted(set(self.resume_allow) - {f.name for f in dataclasses.fields(self)})
+        need(not unknown, f"--resume-allow: no such setting {', '.join(unknown)}; name settings as in "
+                          f"`pretrain --help` with _ (e.g. steps, schedule, lr)")
+        need(self.spike_window >= 2, f"--spike-window must be >= 2 (a standard deviation needs two steps), got "
+                                     f"{self.spike_window}")
+        for name in ("debug_nan_batches", "debug_spike_batches"):
+            need(all(int(n) >= 1 for n in getattr(self, name)),
+                 f"--{name.replace('_', '-')} takes global batch numbers >= 1")
 
     def grad_accum(self, world_size: int) -> int:
         """Micro-batches per rank per optimizer step: global / (micro * world); refuses a remainder."""

@@ -4,11 +4,14 @@
 
 A step's record (DESIGN.md "Trainer"): step, loss, lr, step_time_s, data_wait_s, compute_s, tokens,
 tokens_per_s, samples_per_s, tflops_per_gpu, mfu, peak_mem_gib, zero_stage, offload, world_size,
-micro_batch, grad_accum, loader_workers (+ consumed_samples, batch_checksum, grad_norm). data_wait_s is
+micro_batch, grad_accum, loader_workers (+ consumed_samples, batch_checksum, grad_norm, skipped: null or why the
+update was skipped, global_batch: the 1-based global batch read; a rollback adds an event line), loader (the mode)
+and rank 0's host accounting (pretrain.hostcpu.HOST_KEYS: CPU seconds by role, loader cores and busy share, the
+workers' RSS; their medians go into summary.json with time_to_first_batch_s). data_wait_s is
 the time the step spent blocked in next(loader), summed over its micro-batches; compute_s the rest;
-step_time_s = data_wait_s + compute_s. MFU divides tflops_per_gpu by the device's peak (PEAK_TFLOPS,
-dense bf16: 790 TFLOP/s for H100/H200, what an 8192^3 bf16 matmul reaches there); on CPU there is no
-meaningful peak, so mfu is null unless --peak-tflops names one.
+step_time_s = data_wait_s + compute_s. MFU divides tflops_per_gpu by the device's datasheet dense peak
+(PEAK_TFLOPS, the field's convention: H100/H200 SXM bf16 989.4 TFLOP/s, fp32 67; A100 bf16 312, fp32 19.5);
+on CPU there is no meaningful peak, so mfu is null unless --peak-tflops names one.
 """
 
 from __future__ import annotations
@@ -21,14 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.common import atomic_write_bytes, atomic_write_json
+from pretrain.hostcpu import HOST_KEYS
 
 METRICS_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
-PEAK_TFLOPS = {"H200": {"bf16": 790.0, "fp32": 67.0}, "H100": {"bf16": 790.0, "fp32": 67.0},
+PEAK_TFLOPS = {"H200": {"bf16": 989.4, "fp32": 67.0}, "H100": {"bf16": 989.4, "fp32": 67.0},  # SXM datasheets, dense
                "A100": {"bf16": 312.0, "fp32": 19.5}}
 STEP_KEYS = ("step", "loss", "lr", "step_time_s", "data_wait_s", "compute_s", "tokens", "tokens_per_s",
              "samples_per_s", "tflops_per_gpu", "mfu", "peak_mem_gib", "zero_stage", "offload", "world_size",
-             "micro_batch", "grad_accum", "loader_workers")
+             "micro_batch", "grad_accum", "loader_workers", "loader", *HOST_KEYS)
 
 
 def peak_tflops_for(device_name: str, precision: str, override: float | None) -> float | None:
@@ -60,7 +64,7 @@ class MetricsLog:
         if not enabled:
             return
         path = self.run_dir / METRICS_NAME
-        self.previous = read_metrics(path, up_to_step=resume_from_step) if resume_from_step else []
+        self.previous = read_metrics(path, up_to_step=resume_from_step, events=True) if resume_from_step else []
         # a resumed run keeps the steps up to its checkpoint and drops any the interrupted run logged later
         atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in self.previous).encode())
         self._file = open(path, "a")
@@ -79,6 +83,17 @@ class MetricsLog:
         if record["step"] % self.log_every == 0 or record["step"] == self.total_steps:
             print(progress_line(record, self.total_steps), flush=True)
 
+    def rollback(self, event: dict[str, Any]) -> None:
+        """A rollback to the checkpoint of step event["step"]: the lines after it go (those steps run again) and the
+        event line takes their place, listing the skipped steps and global batches."""
+        if not self.enabled:
+            return
+        self._file.close()
+        path = self.run_dir / METRICS_NAME
+        kept = read_metrics(path, up_to_step=event["step"], events=True)
+        atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in [*kept, event]).encode())
+        self._file = open(path, "a")
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
@@ -92,13 +107,17 @@ def progress_line(record: dict[str, Any], total_steps: int) -> str:
     """`step 12/100 | loss 5.4321 | lr 1.00e-03 | 12,345 tok/s | MFU 41.2% | data-wait 0.3% | 0.52 s/step`."""
     share = record["data_wait_s"] / record["step_time_s"] if record["step_time_s"] > 0 else 0.0
     mfu = f"{100 * record['mfu']:.1f}%" if record.get("mfu") is not None else "n/a"
-    return (f"step {record['step']}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+    loss = f"{record['loss']:.4f}" if record.get("loss") is not None else "nan"
+    skipped = f" | SKIPPED ({record['skipped']})" if record.get("skipped") else ""
+    return (f"step {record['step']}/{total_steps} | loss {loss} | lr {record['lr']:.2e} | "
             f"{record['tokens_per_s']:,.0f} tok/s | MFU {mfu} | data-wait {100 * share:.1f}% | "
-            f"{record['step_time_s']:.3f} s/step | mem {record['peak_mem_gib']:.2f} GiB")
+            f"{record['step_time_s']:.3f} s/step | mem {record['peak_mem_gib']:.2f} GiB{skipped}")
 
 
-def read_metrics(path: str | os.PathLike, up_to_step: int | None = None) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl (a torn last line from a killed run is skipped)."""
+def read_metrics(path: str | os.PathLike, up_to_step: int | None = None, *, events: bool = False
+                 ) -> list[dict[str, Any]]:
+    """The step records of a metrics.jsonl (a torn last line from a killed run is skipped); with `events` also the
+    event lines ({"event": "rollback", "step": the step rolled back to, ...})."""
     path = Path(path)
     if not path.is_file():
         return []
@@ -108,12 +127,15 @@ def read_metrics(path: str | os.PathLike, up_to_step: int | None = None) -> list
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if "event" in record and not events:
+            continue
         if up_to_step is None or record["step"] <= up_to_step:
             records.append(record)
     return records
 
 
-STEP_FIGURES = ("step_time_s", "data_wait_s", "compute_s", "tokens_per_s", "samples_per_s", "tflops_per_gpu", "mfu")
+STEP_FIGURES = ("step_time_s", "data_wait_s", "compute_s", "tokens_per_s", "samples_per_s", "tflops_per_gpu", "mfu",
+                *HOST_KEYS)     # host CPU by role, loader busy share and workers' RSS (pretrain.hostcpu)
 
 
 def steady_state_figures(steady: list[dict[str, Any]]) -> dict[str, Any]:

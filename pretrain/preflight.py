@@ -137,26 +137,58 @@ def check_fit(estimate: dict[str, Any], device: dict[str, Any], local_world_size
 
 
 def check_run_dir(config) -> None:
-    """A fresh run refuses a directory that already holds one (metrics or complete checkpoints)."""
+    """A fresh run refuses a directory that already holds one (metrics or complete checkpoints); a resume refuses
+    one whose steps were logged but never checkpointed (it would restart at step 0 over them)."""
     from pretrain.checkpoint import latest_complete
+    from pretrain.metrics import read_metrics
 
     run_dir = Path(config.out)
-    if config.resume or not run_dir.exists():
+    if not run_dir.exists():
         return
-    if (run_dir / "metrics.jsonl").is_file() or latest_complete(run_dir / "checkpoints"):
-        raise UserError(f"{run_dir}: already holds a run (metrics.jsonl / checkpoints); pass --resume to continue "
-                        f"it or pick a new --out")
+    checkpointed = latest_complete(run_dir / "checkpoints")
+    if not config.resume:
+        if (run_dir / "metrics.jsonl").is_file() or checkpointed:
+            raise UserError(f"{run_dir}: already holds a run (metrics.jsonl / checkpoints); pass --resume to continue "
+                            f"it or pick a new --out")
+        return
+    logged = read_metrics(run_dir / "metrics.jsonl")
+    if logged and not checkpointed:
+        raise UserError(f"{run_dir}: metrics.jsonl records {len(logged)} steps but there is no complete checkpoint to "
+                        f"resume from (the run was launched with --no-save-final or stopped before its first save); "
+                        f"pick a new --out to start over, nothing here is changed")
+
+
+def check_resume_settings(config, plan: Plan, *, announce: bool = True) -> None:
+    """--resume: the saved run's settings (RUN_DIR/config.json: train, shard fingerprint, global batch) against
+    this launch's, before anything is built; refuses in one line naming what differs and what may."""
+    import json
+
+    from pretrain.checkpoint import resume_differences, resume_refusal
+
+    saved_path = Path(config.out) / "config.json"
+    if not config.resume or not saved_path.is_file():
+        return
+    try:
+        saved = json.loads(saved_path.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"{saved_path}: cannot be read ({type(err).__name__}); it records the run's settings, "
+                        f"which --resume compares: restore it or pick a new --out")
+    new = {"train": dataclasses.asdict(config), "shard_fingerprint": plan.shard_fingerprint,
+           "global_batch": plan.global_batch}
+    refused, allowed = resume_differences(saved, new, allow=config.resume_allow)
+    if refused:
+        raise UserError(resume_refusal(Path(config.out), refused))
+    if allowed and announce:
+        print(f"[resume] --resume-allow: {'; '.join(allowed)} (applied from the resumed step on)", flush=True)
 
 
 def run_preflight(config, *, world_size: int, local_world_size: int, announce: bool) -> Plan:
     """All checks in order; prints the plan and the memory table when `announce`."""
-    from pretrain.data.dataset import ShardDataset
+    from pretrain.data.modes import describe_data
     from pretrain.model.t5 import load_config
 
-    dataset = ShardDataset(config.data, input_length=config.input_length, target_length=config.target_length,
-                           cache_dir=config.cache_dir, verify=config.verify)
-    manifest = dataset.manifest
-    where = f"{dataset.root}/manifest.json"
+    data = describe_data(config)    # per --loader: the shard set's manifest, or (online) what the source derives
+    manifest, where = data["manifest"], data["where"]
     preset = load_config(config.model, **config.model_overrides)
     vocab_size, vocab_note = resolve_vocab_size(preset.vocab_size, int(manifest["tokenizer"]["vocab_size"]),
                                                 config.vocab_size)
@@ -165,24 +197,25 @@ def run_preflight(config, *, world_size: int, local_world_size: int, announce: b
     check_shards_fit_model(manifest, where, model_config, config)
     grad_accum = config.grad_accum(world_size)
     global_batch = config.resolved_global_batch(world_size)
-    if len(dataset) < global_batch:
-        raise UserError(f"{where}: {len(dataset)} examples, fewer than one global batch of {global_batch}; "
+    if data["num_examples"] is not None and data["num_examples"] < global_batch:
+        raise UserError(f"{where}: {data['num_examples']} examples, fewer than one global batch of {global_batch}; "
                         f"use a smaller --global-batch or a larger shard set")
     device = device_memory(local_world_size)
     precision = config.precision if config.precision != "auto" else ("bf16" if device["kind"] == "cuda" else "fp32")
     estimate = estimate_memory(model_config, zero=config.zero, offload=config.offload, precision=precision,
                                world_size=world_size, local_world_size=local_world_size,
-                               micro_batch=config.micro_batch, input_length=dataset.input_length,
-                               target_length=dataset.target_length,
+                               micro_batch=config.micro_batch, input_length=data["input_length"],
+                               target_length=data["target_length"],
                                activation_checkpointing=config.activation_checkpointing,
                                fused_attention=device["kind"] == "cuda")
     what = f"{model_config.name} at ZeRO {config.zero} (offload {config.offload}, micro batch {config.micro_batch})"
     warnings = check_fit(estimate, device, local_world_size, config.force, what)
-    plan = Plan(model_config=model_config, vocab_note=vocab_note, input_length=dataset.input_length,
-                target_length=dataset.target_length, num_examples=len(dataset), world_size=world_size,
-                grad_accum=grad_accum, global_batch=global_batch, shard_fingerprint=str(manifest["fingerprint"]),
+    plan = Plan(model_config=model_config, vocab_note=vocab_note, input_length=data["input_length"],
+                target_length=data["target_length"], num_examples=data["num_examples"] or 0, world_size=world_size,
+                grad_accum=grad_accum, global_batch=global_batch, shard_fingerprint=data["fingerprint"],
                 tokenizer_sha256=str(manifest["tokenizer"].get("sha256")), device=device,
                 memory_estimate=estimate, warnings=warnings)
+    check_resume_settings(config, plan, announce=announce)
     if announce:
         print(describe(plan, config, precision), flush=True)
     return plan
@@ -196,7 +229,8 @@ def describe(plan: Plan, config, precision: str) -> str:
     else:
         devices = f"CPU only, host RAM {dev['host_available_gib']:.1f} / {dev['host_total_gib']:.1f} GiB available"
     lines = [
-        f"[preflight] data: {config.data} ({plan.num_examples} examples, input {plan.input_length}, "
+        f"[preflight] data ({config.loader}): {config.data} ("
+        f"{plan.num_examples if config.loader != 'online' else 'made in the loader'} examples, input {plan.input_length}, "
         f"target {plan.target_length}, fingerprint {plan.shard_fingerprint[:12]})",
         f"[preflight] model: {plan.model_config.name}, {est['parameters'] / 1e6:.1f}M params, vocab "
         f"{plan.vocab_note}",

@@ -24,7 +24,9 @@ from torch.profiler import record_function
 
 from pipeline.common import REPO_ROOT, UserError, atomic_write_json
 from pretrain import checkpoint as ckpt
-from pretrain.ranks import launch_t0
+from pretrain.anomalies import DEBUG_SPIKE_FACTOR, MAX_ROLLBACKS, StepGuard
+from pretrain.ranks import RESUMABLE_EXIT, heartbeat, launch_t0, preemption
+from pretrain.hostcpu import HostMeter, bind_rank, set_omp_threads
 from pretrain.metrics import MetricsLog, host_peak_rss_gib, peak_tflops_for, summarize, write_summary
 
 
@@ -137,6 +139,7 @@ class Timeline:
 
     def mark(self, phase: str) -> None:
         self.marks[phase] = round(time.time() - self.t0, 3)
+        heartbeat(phase)            # the local launcher's watchdog (pretrain.launch): this rank is alive
 
     def describe(self) -> str:
         return ", ".join(f"{phase} {at:.1f}s" for phase, at in self.marks.items())
@@ -149,8 +152,7 @@ class Trainer:
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
-        from pretrain.data.dataset import ShardDataset
-        from pretrain.data.loader import make_loader
+        from pretrain.data.modes import open_loader
         from pretrain.ds_config import build_ds_config, resolve_precision
         self.config, self.plan, self.env = config, plan, env
         self.timeline = timeline
@@ -169,6 +171,11 @@ class Trainer:
         device_name = "cpu" if self.on_cpu else torch.cuda.get_device_name(self.device)
         self.peak_tflops = peak_tflops_for(device_name, self.precision, config.peak_tflops)
 
+        # --cpu-affinity / --omp-num-threads before DeepSpeed starts its threads and loads CPU-Adam (pretrain.hostcpu)
+        self.binding, self.worker_cores = bind_rank(config.cpu_affinity, local_rank=env.local_rank,
+                                                    local_world_size=env.local_world_size,
+                                                    workers=config.loader_workers)
+        set_omp_threads(config.omp_num_threads, torch.set_num_threads)
         self.resume_tag = self._prepare_resume() if config.resume else None
         if config.zero == 3:     # the partitioned build already puts weights on the devices
             self._wait_for_start_gate()
@@ -186,27 +193,33 @@ class Trainer:
             lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))
         self.engine_note = {"optimizer": type(self.optimizer).__name__,
                             "overflow_check_fused": fuse_overflow_check(self.optimizer)}
+        self.pending: dict[str, Any] = {}      # the optimizer step being taken: its loss, grad norm and verdict
+        self._guard_inner_optimizer()
         self.timeline.mark("engine")
-        dataset = ShardDataset(config.data, input_length=plan.input_length, target_length=plan.target_length,
-                               cache_dir=config.cache_dir)
-        self.loader = make_loader(dataset, micro_batch_size=config.micro_batch, global_batch_size=self.global_batch,
-                                  seed=config.seed, rank=env.rank, world_size=self.world_size,
-                                  num_workers=config.loader_workers, pin_memory=not self.on_cpu,
-                                  prefetch_factor=config.prefetch_factor, persistent_workers=True)
+        # --loader shards | online | remote (pretrain.data.modes); ids checked against the vocabulary (issue 14.12)
+        self.loader = open_loader(config, rank=env.rank, world_size=self.world_size, global_batch=self.global_batch,
+                                  pin_memory=not self.on_cpu, token_limit=plan.model_config.vocab_size,
+                                  worker_cores=self.worker_cores)
+        self.host = HostMeter(self.loader, config.loader_workers)
         self.timeline.mark("loader")
         self.start_step = 0
         self.resumed_from = None
+        self.global_batches_read = 0         # global batches this run has read (skipped ones too)
+        anomaly_state = None
         if config.resume:
-            tag = self.resume_tag
-            if tag is None:
+            if self.resume_tag is None:
                 self._say(f"[resume] no complete checkpoint in {self.checkpoint_dir}: starting at step 0")
             else:
-                client = ckpt.load_checkpoint(self.engine, self.checkpoint_dir, tag, rank=env.rank,
-                                              world_size=self.world_size)
+                tag, client = self._load_with_fallback(self.resume_tag)
                 self.start_step = int(client["step"])
                 self.loader.load_state_dict(client["loader"])
+                self.global_batches_read = int(client.get("global_batches", self.start_step))
+                anomaly_state = client.get("anomalies")
                 self.resumed_from = tag
+                self._apply_allowed_changes()
                 self._say(f"[resume] {tag}: step {self.start_step}, loader {client['loader']}")
+        self.guard = StepGuard(sigmas=config.spike_sigmas, window=config.spike_window,
+                               rollback_after=config.rollback_after, state=anomaly_state)
         from pretrain.model.flops import train_step_flops
         self.step_flops = train_step_flops(plan.model_config, self.global_batch, plan.input_length,
                                            plan.target_length)
@@ -224,19 +237,29 @@ class Trainer:
     # -- helpers -----------------------------------------------------------------------------------------------
 
     def _prepare_resume(self) -> str | None:
-        """The tag to resume from (None: none complete). A ZeRO 1-3 tag saved at another world size is converted
-        to a universal checkpoint by rank 0 (once) and the DeepSpeed config asks for a universal load."""
+        """The tag to resume from, before the engine exists: the newest complete one whose files are all there at
+        their saved sizes and, when a ZeRO 1-3 tag was saved at another world size, whose universal conversion
+        (rank 0, once) succeeds; the DeepSpeed config then asks for a universal load. A newer tag that fails is
+        reported in one line and the one before it tried. None: no complete checkpoint."""
+        tags = ckpt.complete_tags(self.checkpoint_dir)
+        for tag in tags:
+            problem = ckpt.tag_problem(self.checkpoint_dir, tag) or self._universal_problem(tag)
+            if problem is None:
+                return tag
+            self._fall_back(tag, problem, tags)
+        return None
+
+    def _universal_problem(self, tag: str) -> str | None:
+        """Convert `tag` for this world size when it needs it; why it cannot be, or None."""
         import torch.distributed as dist
 
-        tag = ckpt.latest_complete(self.checkpoint_dir)
-        if tag is None or not ckpt.needs_universal(self.checkpoint_dir, tag, world_size=self.world_size,
-                                                   zero_stage=self.config.zero):
-            return tag
+        if not ckpt.needs_universal(self.checkpoint_dir, tag, world_size=self.world_size, zero_stage=self.config.zero):
+            return None
         if self.config.offload == "nvme":
             saved = ckpt.saved_world_size(self.checkpoint_dir / tag)
-            raise UserError(f"{self.checkpoint_dir / tag}: saved by {saved} ranks, resumed with {self.world_size}; "
-                            f"with --offload nvme DeepSpeed copies each rank's swapped optimizer state back as it "
-                            f"is and cannot load a universal checkpoint: resume with --nproc {saved}")
+            return (f"{self.checkpoint_dir / tag}: saved by {saved} ranks, resumed with {self.world_size}; with "
+                    f"--offload nvme DeepSpeed copies each rank's swapped optimizer state back as it is and cannot "
+                    f"load a universal checkpoint: resume with --nproc {saved}")
         failure = [None]
         if self.env.rank == 0:
             try:
@@ -245,10 +268,149 @@ class Trainer:
                 failure = [f"{self.checkpoint_dir / tag}: conversion to a universal checkpoint failed "
                            f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})"]
         dist.broadcast_object_list(failure, src=0)
-        if failure[0] is not None:
-            raise UserError(failure[0])
-        self.ds_config["checkpoint"] = {**self.ds_config.get("checkpoint", {}), "load_universal": True}
-        return tag
+        if failure[0] is None:
+            self.ds_config["checkpoint"] = {**self.ds_config.get("checkpoint", {}), "load_universal": True}
+        return failure[0]
+
+    def _fall_back(self, tag: str, problem: str, tags: list[str]) -> None:
+        """One line saying why `tag` is skipped and what comes next; a UserError when nothing older is left."""
+        older = tags[tags.index(tag) + 1:]
+        if older:
+            self._say(f"[resume] {tag} cannot be loaded: {problem}; falling back to {older[0]}")
+            return
+        raise UserError(f"{problem}; no older complete checkpoint in {self.checkpoint_dir} to fall back to (start "
+                        f"over with a new --out, or restore the file)")
+
+    def _load_with_fallback(self, first: str, *, before_step: int | None = None) -> tuple[str, dict[str, Any]]:
+        """Load `first` into the engine, else the complete tags before it (newest first, every rank alike: a load
+        that fails on any rank fails on all). Returns (tag, client state)."""
+        tags = [t for t in ckpt.complete_tags(self.checkpoint_dir) if t <= first]
+        universal = bool(self.ds_config.get("checkpoint", {}).get("load_universal"))
+        for tag in tags:
+            problem = None if tag == first else ckpt.tag_problem(self.checkpoint_dir, tag)
+            if problem is None and ckpt.needs_universal(self.checkpoint_dir, tag, world_size=self.world_size,
+                                                        zero_stage=self.config.zero) != universal:
+                problem = (f"{self.checkpoint_dir / tag}: saved at {ckpt.saved_world_size(self.checkpoint_dir / tag)}"
+                           f" ranks, another layout than {first}'s; --resume from it alone")
+            client = None
+            if problem is None:
+                try:
+                    client = ckpt.load_checkpoint(self.engine, self.checkpoint_dir, tag, rank=self.env.rank,
+                                                  world_size=self.world_size)
+                except Exception as err:           # agreed on below: no rank goes on alone
+                    problem = (f"{self.checkpoint_dir / tag}: loading failed on rank {self.env.rank} "
+                               f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})")
+                problems = [None] * self.world_size
+                torch.distributed.all_gather_object(problems, problem)
+                problem = next((p for p in problems if p), None)
+            if problem is None:
+                return tag, client
+            self._fall_back(tag, problem, tags)
+        raise UserError(f"{self.checkpoint_dir}: no complete checkpoint left to load")
+
+    def _apply_allowed_changes(self) -> None:
+        """With --resume-allow: the new schedule, peak lr and AdamW settings replace the saved ones from the resumed
+        step on (the scheduler's saved state carries the old schedule and lr, the optimizer's the old settings)."""
+        allowed = set(self.config.resume_allow)
+        if not allowed & {"steps", "schedule", "warmup_steps", "min_lr_ratio", "lr", "weight_decay", "adam_beta1",
+                          "adam_beta2", "adam_eps"}:
+            return
+        config = self.config
+        schedule = LRSchedule(config.schedule, config.warmup_steps, config.steps, config.min_lr_ratio)
+        self.scheduler.lr_lambdas = [schedule] * len(self.optimizer.param_groups)
+        self.scheduler.base_lrs = [config.lr] * len(self.optimizer.param_groups)
+        for group in self.optimizer.param_groups:
+            group.update(lr=config.lr * schedule(self.scheduler.last_epoch), betas=(config.adam_beta1, config.adam_beta2),
+                         eps=config.adam_eps, weight_decay=config.weight_decay)
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+    # -- skipping bad updates (pretrain.anomalies) ---------------------------------------------------------------
+
+    def _guard_inner_optimizer(self) -> None:
+        """Route the basic optimizer's step (torch AdamW, FusedAdam, DeepSpeedCPUAdam) through the guard. DeepSpeed's
+        ZeRO 1-3 and bf16 wrappers call it after they computed the global gradient norm (all-reduced, before
+        clipping), so the verdict sees this step's norm; a skipped inner step leaves weights, moments and step
+        counts as they were, and DeepSpeed then clears the gradients and partitions as after any step. At ZeRO 0
+        fp32 the engine holds the basic optimizer itself: the norm is taken from the gradients before the step."""
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        original = inner.step
+
+        def guarded_step(*args, **kwargs):
+            pending = self.pending
+            if not pending.get("judged"):
+                pending["grad_norm"] = self._grad_norm_now()
+                pending["reason"] = self.guard.verdict(pending["loss"], pending["grad_norm"])
+                pending["judged"] = True
+            if pending["reason"] is None:
+                return original(*args, **kwargs)
+            return None
+
+        inner.step = guarded_step
+
+    def _grad_norm_now(self) -> float | None:
+        norm = getattr(self.optimizer, "_global_grad_norm", None)
+        if norm is None:
+            norm = self.pending.get("pre_step_norm")
+        return None if norm is None else float(norm)
+
+    def _begin_verdict(self, loss: float) -> None:
+        """Before the update: this step's loss, and at ZeRO 0 fp32 the gradient norm (identical on every rank)."""
+        self.pending = {"loss": loss, "judged": False, "reason": None, "grad_norm": None}
+        if getattr(self.optimizer, "optimizer", None) is None:
+            norms = [p.grad.detach().float().norm() for p in self.engine.module.parameters() if p.grad is not None]
+            self.pending["pre_step_norm"] = float(torch.stack(norms).norm()) if norms else None
+
+    def _finish_verdict(self, step: int) -> str | None:
+        """After engine.step(): the verdict recorded in the guard. When DeepSpeed skipped the update by itself (its
+        overflow path: a non-finite gradient norm at ZeRO 1-3 fp32) the inner step never ran; the scheduler, which
+        DeepSpeed then leaves alone, is stepped here so the lr keeps following the step number."""
+        pending = self.pending
+        if not pending["judged"]:
+            pending["grad_norm"] = float("inf") if not self.engine.was_step_applied() else self._grad_norm_now()
+            pending["reason"] = self.guard.verdict(pending["loss"], pending["grad_norm"])
+            if not self.engine.was_step_applied():
+                self.scheduler.step()
+        self.guard.record(step, self.global_batches_read, pending["reason"], pending["loss"], pending["grad_norm"])
+        return pending["reason"]
+
+    def _debug_loss_factor(self, global_batch: int) -> float | None:
+        if global_batch in self.config.debug_nan_batches:
+            return float("nan")
+        if global_batch in self.config.debug_spike_batches:
+            return DEBUG_SPIKE_FACTOR
+        return None
+
+    @staticmethod
+    def _finite(value: float | None) -> float | None:
+        return None if value is None or not math.isfinite(value) else float(value)
+
+    def _roll_back(self, step: int) -> dict[str, Any]:
+        """After `rollback_after` skipped updates in a row ending at `step`: reload the newest complete checkpoint
+        before them (falling back past unloadable ones), drop the complete checkpoints after it (another timeline)
+        and go on from there with the global batch after the last one read: every batch since the checkpoint is
+        skipped. Returns the rollback event (its "step" is the step training continues from)."""
+        first_skipped = step - self.guard.streak + 1
+        reasons = sorted({s["reason"] for s in self.guard.skipped[-self.guard.streak:]})
+        before = [t for t in ckpt.complete_tags(self.checkpoint_dir) if ckpt.step_of(t) < first_skipped]
+        if not before:
+            raise UserError(f"steps {first_skipped}-{step}: {self.guard.streak} updates skipped in a row "
+                            f"({', '.join(reasons)}) and no checkpoint before them in {self.checkpoint_dir} to roll "
+                            f"back to; lower --lr, raise --spike-sigmas, or save checkpoints with --save-every")
+        if len(self.guard.rollbacks) >= MAX_ROLLBACKS:
+            raise UserError(f"step {step}: {MAX_ROLLBACKS} rollbacks in this launch and the updates are still skipped "
+                            f"({', '.join(reasons)}); the run diverges: lower --lr or check the data")
+        tag, client = self._load_with_fallback(before[0])
+        to_step = int(client["step"])
+        since = int(client.get("global_batches", to_step))
+        self._barrier()
+        if self.env.is_main:
+            ckpt.drop_after(self.checkpoint_dir, to_step, say=self._say)
+        self._barrier()
+        skipped_batches = list(range(since + 1, self.global_batches_read + 1))
+        event = self.guard.rolled_back(from_step=step, to_step=to_step, skipped_batches=skipped_batches)
+        self._say(f"[rollback] steps {first_skipped}-{step} skipped in a row ({', '.join(reasons)}): reloaded {tag}, "
+                  f"skipping global batches {skipped_batches[0]}-{skipped_batches[-1]}")
+        return {"event": "rollback", "step": to_step, **event}
 
     def _build_model(self, model_config, seed: int) -> dict[str, Any]:
         """The seeded model; at ZeRO 3 built partitioned (`pretrain.model.zero3.build_partitioned`: no rank ever holds
@@ -318,11 +480,17 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------------------------
 
     def steps(self) -> Iterator[dict[str, Any]]:
-        """Train from start_step to end_step, yielding one metrics record per optimizer step."""
+        """Train from start_step to end_step, yielding one metrics record per optimizer step (and a rollback
+        event when `rollback_after` updates in a row were skipped: training goes on from that checkpoint)."""
         batches = iter(self.loader)
         engine, config = self.engine, self.config
         synchronize = (lambda: None) if self.on_cpu else self.accelerator.synchronize
-        for step in range(self.start_step + 1, self.end_step + 1):
+        step = self.start_step
+        while step < self.end_step:
+            step += 1
+            self.global_batches_read += 1        # never rewound: a rollback skips the batches since its checkpoint
+            global_batch = self.global_batches_read
+            loss_factor = self._debug_loss_factor(global_batch)
             lr = float(self.optimizer.param_groups[0]["lr"])
             data_wait_s = 0.0
             losses = []
@@ -331,9 +499,10 @@ class Trainer:
             if self.profiler is not None:
                 self.profiler.before_step(step)
             step_start = time.perf_counter()
-            for _ in range(self.grad_accum):
+            self.host.start_step()
+            for micro in range(self.grad_accum):
                 wait_start = time.perf_counter()
-                with record_function("pretrain.data"):
+                with record_function("pretrain.data"), self.host.loading():
                     batch = next(batches)
                 data_wait_s += time.perf_counter() - wait_start
                 checksum += int((batch["input_ids"] * self.position_weights).sum())
@@ -341,24 +510,30 @@ class Trainer:
                 labels = batch["labels"].to(self.device, non_blocking=True)
                 with record_function("pretrain.forward"):
                     loss = engine(input_ids, labels=labels)
+                    if loss_factor is not None:            # --debug-nan-batches / --debug-spike-batches
+                        loss = loss * loss_factor
                 with record_function("pretrain.backward"):
                     engine.backward(loss)
-                with record_function("pretrain.step"):     # DeepSpeed's optimizer step (at the last micro-batch)
-                    engine.step()
                 losses.append(loss.detach().float())
+                if micro == self.grad_accum - 1:           # the step's loss on every rank, before its update
+                    reduced = torch.stack([torch.stack(losses).mean().double().to(self.device),
+                                           torch.tensor(float(checksum), dtype=torch.float64, device=self.device)])
+                    torch.distributed.all_reduce(reduced)
+                    self._begin_verdict(float(reduced[0]) / self.world_size)
+                with record_function("pretrain.step"), self.host.optimizer():   # the optimizer step (last micro)
+                    engine.step()
+            skipped = self._finish_verdict(step)
             synchronize()
             step_time_s = time.perf_counter() - step_start
+            host = self.host.end_step(step_time_s)      # rank 0's process tree (pretrain.hostcpu)
             if self.profiler is not None:
                 self.profiler.after_step(step)
-            reduced = torch.stack([torch.stack(losses).mean().double().to(self.device),
-                                   torch.tensor(float(checksum), dtype=torch.float64, device=self.device)])
-            torch.distributed.all_reduce(reduced)
             peak = torch.tensor([self._peak_mem_gib()], dtype=torch.float64, device=self.device)
             torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
-            grad_norm = engine.get_global_grad_norm()
+            grad_norm = self.pending["grad_norm"]
             tflops_per_gpu = self.step_flops / step_time_s / self.world_size / 1e12
             yield {
-                "step": step, "loss": float(reduced[0]) / self.world_size, "lr": lr,
+                "step": step, "loss": self._finite(self.pending["loss"]), "lr": lr,
                 "step_time_s": step_time_s, "data_wait_s": data_wait_s, "compute_s": step_time_s - data_wait_s,
                 "tokens": self.tokens_per_step, "tokens_per_s": self.tokens_per_step / step_time_s,
                 "samples_per_s": self.global_batch / step_time_s, "tflops_per_gpu": tflops_per_gpu,
@@ -368,16 +543,35 @@ class Trainer:
                 "loader_workers": config.loader_workers,
                 "consumed_samples": self.loader.state_dict()["consumed_samples"],
                 "epoch": self.loader.state_dict()["epoch"], "batch_checksum": int(reduced[1]),
-                "grad_norm": None if grad_norm is None else float(grad_norm),
+                "grad_norm": self._finite(grad_norm), "skipped": skipped, "global_batch": global_batch,
                 "profiled": self.profiler is not None and self.profiler.covers(step),   # rank 0 writes the records
+                "loader": config.loader, **host,
             }
+            if skipped is not None and self.guard.must_roll_back():
+                event = self._roll_back(step)
+                yield event
+                step = event["step"]
+
+    def _loader_state(self) -> dict[str, Any]:
+        """The loader's state to checkpoint: one for all ranks, or every rank's (--loader online: per_rank_state)."""
+        state = self.loader.state_dict()
+        if not getattr(self.loader, "per_rank_state", False):
+            return state
+        states: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(states, state)
+        return {"per_rank": states}
 
     def save(self, step: int) -> None:
-        client_state = {"step": step, "loader": self.loader.state_dict(), "world_size": self.world_size,
-                        "train_config": dataclasses.asdict(self.config)}
+        client_state = {"step": step, "loader": self._loader_state(), "world_size": self.world_size,
+                        "train_config": dataclasses.asdict(self.config), "global_batches": self.global_batches_read,
+                        "anomalies": self.guard.state_dict(), "shard_fingerprint": self.plan.shard_fingerprint}
         ckpt.save_checkpoint(self.engine, self.checkpoint_dir, step, client_state, rank=self.env.rank,
                              world_size=self.world_size, barrier=self._barrier)
         self._say(f"[checkpoint] step {step} -> {self.checkpoint_dir / ckpt.tag_for(step)}")
+        if self.env.is_main and self.config.keep_checkpoints:
+            ckpt.prune(self.checkpoint_dir, self.config.keep_checkpoints,
+                       protect=tuple(t for t in (self.resumed_from,) if t), say=self._say)
+        self._barrier()
 
     def run(self) -> int:
         config = self.config
@@ -388,25 +582,37 @@ class Trainer:
                          enabled=self.env.is_main, log_every=config.log_every)
         records: list[dict[str, Any]] = []
         started = time.time()
-        save_at_end = bool(config.save_every) or config.stop_after is not None
+        save_at_end = config.save_final or config.stop_after is not None
+        preempted_at = None
         try:
-            for record in self.steps():          # hooks: metrics, then checkpoint
+            for record in self.steps():          # hooks: metrics, then checkpoint, then a preemption request
+                if record.get("event") == "rollback":      # the steps after its checkpoint are run again
+                    records = [r for r in records if r["step"] <= record["step"]]
+                    log.rollback(record)
+                    continue
                 records.append(record)
                 if len(records) == 1:
                     self.timeline.mark("first_step")
                 log.write(record)
                 step = record["step"]
-                if (config.save_every and step % config.save_every == 0) or (save_at_end and step == self.end_step):
+                saved = (config.save_every and step % config.save_every == 0) or (save_at_end and step == self.end_step)
+                if saved:
                     self.save(step)
+                heartbeat(step)
+                if step < self.end_step and self._preemption_agreed():
+                    if not saved:
+                        self.save(step)
+                    preempted_at = step
+                    break
         finally:
             log.close()
             self.loader.close()
-        if config.export_hf:
+        if config.export_hf and preempted_at is None:
             self.export_hf(Path(config.export_hf))
         self.timeline.mark("trained")
         self._say(f"[startup] seconds since launch: {self.timeline.describe()}")
         if self.env.is_main:
-            status = "ok" if self.end_step == config.steps else "stopped"
+            status = "preempted" if preempted_at else "ok" if self.end_step == config.steps else "stopped"
             summary = summarize(records, steady_skip=config.steady_skip, status=status, start_step=self.start_step,
                                 total_steps=config.steps, wall_s=time.time() - started,
                                 memory_estimate=self.plan.memory_estimate, resumed_from=self.resumed_from,
@@ -414,10 +620,23 @@ class Trainer:
                                 micro_batch=config.micro_batch, grad_accum=self.grad_accum,
                                 global_batch=self.global_batch, loader_workers=config.loader_workers,
                                 model=self.plan.model_config.name, precision=self.precision,
-                                launch_t0=self.timeline.t0, timeline_s=dict(self.timeline.marks))
+                                launch_t0=self.timeline.t0, timeline_s=dict(self.timeline.marks),
+                                anomalies=self.guard.summary(), loader=config.loader,
+                                time_to_first_batch_s=self.loader.first_batch_s, host_binding=self.binding)
             write_summary(self.run_dir, summary)
             print(final_summary_line(summary), flush=True)
+        if preempted_at is not None:
+            self._say(f"[preempt] stopped at step {preempted_at} with a checkpoint; exit status {RESUMABLE_EXIT} "
+                      f"(resumable): run the same command with --resume to continue")
+            return RESUMABLE_EXIT
         return 0
+
+    def _preemption_agreed(self) -> bool:
+        """Whether any rank was asked to stop (SIGTERM / SIGUSR1 / SIGINT, `pretrain.ranks.preemption`): the flag is
+        all-reduced at every step boundary, so all ranks stop after the same step."""
+        flag = torch.tensor([float(preemption.signum)], dtype=torch.float32, device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
 
     def export_hf(self, out_dir: Path) -> None:
         """Gather the full weights (ZeRO-3 partitions too) and let rank 0 write them in HF format (fp32)."""

@@ -32,6 +32,9 @@ GRID_KEYS = ("name", "description", "data", "base", "grid", "exclude", "include"
 SET_BY_STUDY = ("data", "out")      # TrainConfig fields the study fills in: the shard set and STUDY/runs/<point-id>
 SKIP_STEPS_KEY = "skip_steps"       # the grid files' name for TrainConfig.steady_skip
 AXIS_NAMES = tuple(sorted(field_names(TrainConfig) - set(SET_BY_STUDY)))
+POINT_DEFAULTS = {"save_final": False}
+"""Where a study point differs from `pretrain`'s defaults: a point measures, so it keeps no final checkpoint
+(mt5-large's is ~17 GB) unless `base` or `grid` says `save_final: true`."""
 
 
 @dataclass
@@ -138,7 +141,7 @@ class StudyGrid:
         """
         names = list(self.axes)
         product = [dict(zip(names, values)) for values in itertools.product(*self.axes.values())]
-        defaults = {name: _field_default(name) for name in AXIS_NAMES} | self.base
+        defaults = {name: _field_default(name) for name in AXIS_NAMES} | POINT_DEFAULTS | self.base
         chosen = [p for p in product if not any(_matches(defaults | p, rule) for rule in self.exclude)]
         for entry in self.include:
             sub_axes = [as_list(entry.get(axis, self.axes[axis][0])) for axis in names]
@@ -153,7 +156,7 @@ class StudyGrid:
     def _point_config(self, values: dict[str, Any], point_id: str, shards: str, run_dir: Path) -> TrainConfig:
         where = f"{self.source}: point {point_id}"
         config = _in_file(where, lambda: config_from_values(
-            {**self.base, **values, "data": str(shards), "out": str(run_dir)}, where=where))
+            {**POINT_DEFAULTS, **self.base, **values, "data": str(shards), "out": str(run_dir)}, where=where))
         if not 0 <= config.steady_skip < config.steps:
             raise UserError(f"{where}: {SKIP_STEPS_KEY} must be in [0, steps={config.steps}) so some steps are "
                             f"measured, got {config.steady_skip}")

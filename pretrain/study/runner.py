@@ -36,13 +36,16 @@ from pretrain.config import TrainConfig
 from pretrain.data import storage
 from pretrain.launch import last_error_line
 from pretrain.metrics import read_metrics
-from pretrain.ranks import START_GATE_ENV
+from pretrain.ranks import RESUMABLE_EXIT, START_GATE_ENV, die_with_parent, signal_name
+from pretrain.runlock import output_dir, wait_until_unlocked
 from pretrain.study.grid import SET_BY_STUDY, SKIP_STEPS_KEY, StudyGrid, as_list, load_grid
 from pretrain.study.report import format_rate
 from pretrain.study.results import (FINISHED_STATUSES, POINT_CONFIG, POINT_FILE, RUNS_DIR, STUDY_FILE,
                                     read_point_record, rebuild_report, summarize_metrics)
 
 LOGS_DIR = "logs"
+OUT_OF_SPACE = re.compile(r"no space left|filesystem is full|MiB free on its filesystem", re.IGNORECASE)
+LOCKED_POINT_WAIT_S = 90.0   # a point dir still locked by a launch of an interrupted study: wait this long for it
 CONSOLE_SCRIPT_MODULES = {"pretrain": "pretrain.cli", "prep": "pipeline.cli"}
 
 
@@ -219,6 +222,10 @@ def classify(returncode: int | None, timed_out: bool, err_path: Path, run_dir: P
     timeout or failed. The reason is pretrain's one-line error (its last stderr line that says why)."""
     if timed_out:
         return "timeout", f"no result within timeout_s={timeout_s:g}"
+    if returncode is not None and returncode < 0:
+        return "failed", f"pretrain killed by {signal_name(-returncode)}"
+    if returncode == RESUMABLE_EXIT:
+        return "failed", f"preempted (exit {RESUMABLE_EXIT}, a checkpoint saved): rerun with --retry-failed"
     reason = last_error_line(err_path)[:400] if returncode != 0 else ""
     if returncode == 0:
         summary = run_dir / "summary.json"
@@ -274,8 +281,10 @@ class PointLaunch:
         self.launched = time.monotonic()
         self.started = self.launched if gate is None else None
         with open(log_dir / f"{run_dir.name}.out", "wb") as out_log, open(self.err_path, "wb") as err_log:
+            # its own session (stopped as a group), and it dies with the study: a kill -9 of `study run` sends it
+            # SIGTERM, which pretrain forwards to its ranks (they save and exit)
             self.process = subprocess.Popen(command, stdout=out_log, stderr=err_log, start_new_session=True,
-                                            env=env)
+                                            env=env, preexec_fn=die_with_parent(signal.SIGTERM))
 
     def open_gate(self) -> float:
         """Let the launch use the devices; returns the seconds of its start-up that ran ahead of the gate."""
@@ -320,6 +329,9 @@ class PointLaunch:
 
 # ----------------------------------------------------------------------------------------------- the sweep
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
 def _dry_run(grid: StudyGrid, points: list[TrainConfig], runs: Path) -> dict[str, Any]:
     """List the points, their launches and the settings each sets off its default; prepare and launch nothing."""
     defaults = to_yaml_values(TrainConfig(data="-", out="-"))
@@ -346,6 +358,7 @@ def run_study(grid_path: str | os.PathLike, study_dir: str | os.PathLike, *, dat
     if dry_run:
         return _dry_run(grid, grid.points(shard_location(grid, study_dir, data) or "SHARDS", runs), runs)
 
+    output_dir(study_dir, what="study", flag="study run --out")
     shards = prepare_shards(grid, study_dir, data)
     points = grid.points(shards, runs)
     # A URL (s3://...) is fetched once into the shared cache, which every launch then reuses.
@@ -369,6 +382,8 @@ def run_study(grid_path: str | os.PathLike, study_dir: str | os.PathLike, *, dat
     def start(config: TrainConfig, gated: bool) -> PointLaunch:
         run_dir = Path(config.out)
         if run_dir.exists():  # a failed or interrupted earlier attempt of this point: start it afresh
+            # ... once no launch of it is left (an interrupted study's point may still be saving and exiting)
+            wait_until_unlocked(run_dir, LOCKED_POINT_WAIT_S)
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True)
         write_point_config(grid, config)
@@ -376,6 +391,7 @@ def run_study(grid_path: str | os.PathLike, study_dir: str | os.PathLike, *, dat
         return PointLaunch(point_command(grid, config), run_dir, study_dir / LOGS_DIR, gate)
 
     ahead: PointLaunch | None = None     # the next point, launched early and waiting at its start gate
+    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)   # SIGTERM stops the point as Ctrl-C does
     try:
         for position, (index, config) in enumerate(todo):
             run_dir = Path(config.out)
@@ -398,6 +414,10 @@ def run_study(grid_path: str | os.PathLike, study_dir: str | os.PathLike, *, dat
             atomic_write_json(run_dir / POINT_FILE, record)
             counts[outcome.status] += 1
             counts["launched"] += 1
+            if outcome.status == "failed" and OUT_OF_SPACE.search(outcome.reason):
+                # every later point would fail the same way: stop the sweep, keep what is finished
+                raise UserError(f"{study_dir}: point {run_dir.name} failed for lack of space ({outcome.reason}); "
+                                f"free space there and run the study again (finished points are kept)")
             ahead_note = f", {hidden_s:.0f}s of start-up ahead" if hidden_s >= 0.5 else ""
             if outcome.status == "ok":
                 medians = summarize_metrics(read_metrics(run_dir / "metrics.jsonl"), config.steady_skip)
@@ -405,7 +425,8 @@ def run_study(grid_path: str | os.PathLike, study_dir: str | os.PathLike, *, dat
             else:
                 result = f"{outcome.status.upper()}: {outcome.reason} ({outcome.wall_s:.0f}s{ahead_note})"
             print(f"\r{prefix} ... {result}" if sys.stdout.isatty() else f" {result}", flush=True)
-    finally:     # interrupted (Ctrl-C, a timeout around the study): the early launch must not outlive the sweep
+    finally:     # interrupted (Ctrl-C, SIGTERM, a timeout around the study): no launch outlives the sweep
+        signal.signal(signal.SIGTERM, previous_sigterm)
         if ahead is not None:
             ahead.stop()
 

@@ -20,7 +20,7 @@ from pretrain.cli import resolve_config
 from pretrain.config import TrainConfig
 from pretrain.ds_config import build_ds_config
 from pretrain.launch import last_error_line
-from pretrain.ranks import free_port, rank_env
+from pretrain.ranks import free_port, rank_env, slurm_rank_environ
 from pretrain.metrics import read_metrics
 from pretrain.trainer import LRSchedule
 
@@ -101,6 +101,17 @@ def test_rank_environment_as_torchrun_sets_it():
     port = free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))   # still free
+
+
+def test_ranks_of_an_srun_step_come_from_the_slurm_variables():
+    step = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+            "SLURM_STEP_ID": "0", "MASTER_ADDR": "node1"}
+    env = rank_env(step)
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size, env.launched) == (3, 1, 4, 2, True)
+    assert slurm_rank_environ(step)["MASTER_PORT"] == "29500"
+    assert not rank_env({**step, "SLURM_STEP_ID": "batch"}).launched      # the batch script spawns with --nproc
+    assert not rank_env({k: v for k, v in step.items() if k != "MASTER_ADDR"}).launched
+    assert rank_env({**step, "RANK": "0", "WORLD_SIZE": "1"}).world_size == 1   # torchrun's variables win
 
 
 def test_failure_reason_is_the_rank_logs_last_error(tmp_path):

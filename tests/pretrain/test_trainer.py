@@ -13,7 +13,8 @@ Launches (each a real `python -m pretrain.cli` run, 6 steps of 16 examples, grad
   stack3 ZeRO 3 eager with each whole stack as the unit of gathering (--stage3-gather-unit stack), --stop-after 3
   one0 / one1 / one2 / one3  --nproc 1 --resume from the step-3 checkpoint of stop0 / stop1 / ref / stop3 (2 ranks
          -> 1, grad accumulation 2 -> 4; ZeRO 1-3 through a universal checkpoint)
-  broken --nproc 1 --resume from a ZeRO 2 checkpoint with a corrupt partition file: must fail with one line
+  broken --nproc 1 --resume from a ZeRO 2 checkpoint with a corrupt partition file (its saved size kept): must fail
+         with one line (tests/pretrain/test_resume_fallback.py has the truncated and fallback cases)
 plus one 2-rank gloo script (no training) that compares the partitioned build with `build` bit for bit.
 """
 
@@ -277,15 +278,23 @@ def test_a_corrupt_partition_fails_the_conversion_with_one_line(runs):
     runs.ref()
     broken = runs.dir("broken")
     shutil.copytree(runs.dir("ref") / "checkpoints" / tag_for(HALF), broken / "checkpoints" / tag_for(HALF))
-    (broken / "checkpoints" / tag_for(HALF) / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"torn")
+    partition = broken / "checkpoints" / tag_for(HALF) / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    partition.write_bytes(b"\0" * partition.stat().st_size)     # garbage at the saved size: only loading tells
+    shutil.copytree(runs.dir("ref") / "logs", broken / "logs", ignore=shutil.ignore_patterns("heartbeat-*", "history"))
+    shutil.copy(runs.dir("ref") / "summary.json", broken / "summary.json")    # what the earlier launch left
+    earlier = {name: (broken / name).read_bytes() for name in ("summary.json", "logs/rank-0.log")}
     result = pretrain(*COMMON, "--data", str(runs.shards), "--out", str(broken), "--zero", "2", "--nproc", "1",
                       "--resume")
     assert result.returncode == 2, result.stderr[-2000:]
     assert "conversion to a universal checkpoint failed" in result.stderr and "Traceback" not in result.stderr
+    assert "no older complete checkpoint" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (broken / "checkpoints" / UNIVERSAL / tag_for(HALF) / MARKER).exists()
     summary = json.loads((broken / "summary.json").read_text())
     assert summary["status"] == "failed" and "universal" in summary["reason"]
+    kept = broken / "logs" / "history" / "001"       # the failed attempt overwrote neither (issue 14, case 9)
+    assert (kept / "summary.json").read_bytes() == earlier["summary.json"]
+    assert (kept / "rank-0.log").read_bytes() == earlier["logs/rank-0.log"]
 
 
 def test_export_hf_gathers_zero3_partitions(runs):
