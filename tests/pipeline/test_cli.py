@@ -109,3 +109,15 @@ def test_corpus_settings_flags_over_config_file_over_defaults(tmp_path):
 def test_every_prep_config_file_is_valid(path):
     config = _corpus_config(["--input", "c.jsonl", "--tokenizer", "t.json", "--out", "o", "--config", str(path)])
     assert config.span_spec().raw_length > config.input_length
+
+
+def test_the_demo_prep_config_gives_the_online_loader_a_unit_per_rank_and_worker(tmp_path):
+    """scripts/demo.sh preps the whole sample corpus with configs/prep/sample.yaml, and its study then runs
+    `--loader online` on 2 ranks x 2 workers from that set's units: there must be at least 4."""
+    from pipeline.readers import discover_inputs, plan_units
+    from pipeline.sample_corpus import write_sample_corpus
+
+    path, _, _ = write_sample_corpus(tmp_path)
+    config = _corpus_config(["--input", str(path), "--tokenizer", "t.json", "--out", "o",
+                             "--config", str(REPO_ROOT / "configs" / "prep" / "sample.yaml")])
+    assert len(plan_units(discover_inputs([str(path)]), config.unit_bytes)) >= 2 * 2
