@@ -9,7 +9,10 @@ update was skipped, global_batch: the 1-based global batch read; a rollback adds
 and rank 0's host accounting (pretrain.hostcpu.HOST_KEYS: CPU seconds by role, loader cores and busy share, the
 workers' RSS; their medians go into summary.json with time_to_first_batch_s). data_wait_s is
 the time the step spent blocked in next(loader), summed over its micro-batches; compute_s the rest;
-step_time_s = data_wait_s + compute_s. MFU divides tflops_per_gpu by the device's datasheet dense peak
+step_time_s = data_wait_s + compute_s. forward_s, backward_s and optimizer_s (PHASE_KEYS) split compute_s: the
+device stream's time from the start of each forward to its end, to the end of its backward, and over the
+optimizer step (CUDA events, no extra synchronisation; the host clock on CPU); what compute_s holds beyond them is
+communication outside those calls and host gaps. MFU divides tflops_per_gpu by the device's datasheet dense peak
 (PEAK_TFLOPS, the field's convention: H100/H200 SXM bf16 989.4 TFLOP/s, fp32 67; A100 bf16 312, fp32 19.5);
 on CPU there is no meaningful peak, so mfu is null unless --peak-tflops names one.
 """
@@ -30,9 +33,45 @@ METRICS_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
 PEAK_TFLOPS = {"H200": {"bf16": 989.4, "fp32": 67.0}, "H100": {"bf16": 989.4, "fp32": 67.0},  # SXM datasheets, dense
                "A100": {"bf16": 312.0, "fp32": 19.5}}
-STEP_KEYS = ("step", "loss", "lr", "step_time_s", "data_wait_s", "compute_s", "tokens", "tokens_per_s",
+PHASE_KEYS = ("forward_s", "backward_s", "optimizer_s")
+STEP_KEYS = ("step", "loss", "lr", "step_time_s", "data_wait_s", "compute_s", *PHASE_KEYS, "tokens", "tokens_per_s",
              "samples_per_s", "tflops_per_gpu", "mfu", "peak_mem_gib", "zero_stage", "offload", "world_size",
              "micro_batch", "grad_accum", "loader_workers", "loader", *HOST_KEYS)
+
+
+class PhaseClock:
+    """The step's phases (PHASE_KEYS) timed on the device stream with CUDA events, or on the host clock on CPU.
+
+        clock.begin(); loss = engine(...); clock.end("forward_s"); ...; clock.totals() after the step's sync
+    """
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.spans: list[tuple[str, Any, Any]] = []
+        self.opened: Any = None
+
+    def _now(self) -> Any:
+        if not self.cuda:
+            import time
+            return time.perf_counter()
+        import torch
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def begin(self) -> None:
+        self.opened = self._now()
+
+    def end(self, phase: str) -> None:
+        self.spans.append((phase, self.opened, self._now()))
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per phase since the last call (the stream must have passed the last end(): sync first)."""
+        totals = dict.fromkeys(PHASE_KEYS, 0.0)
+        for phase, start, stop in self.spans:
+            totals[phase] += start.elapsed_time(stop) / 1000.0 if self.cuda else stop - start
+        self.spans = []
+        return totals
 
 
 def peak_tflops_for(device_name: str, precision: str, override: float | None) -> float | None:
@@ -134,13 +173,17 @@ def read_metrics(path: str | os.PathLike, up_to_step: int | None = None, *, even
     return records
 
 
-STEP_FIGURES = ("step_time_s", "data_wait_s", "compute_s", "tokens_per_s", "samples_per_s", "tflops_per_gpu", "mfu",
+STEP_FIGURES = ("step_time_s", "data_wait_s", "compute_s", *PHASE_KEYS, "tokens_per_s", "samples_per_s", "tflops_per_gpu", "mfu",
                 *HOST_KEYS)     # host CPU by role, loader busy share and workers' RSS (pretrain.hostcpu)
+MEAN_FIGURES = tuple(key for key in HOST_KEYS if key != "loader_rss_gib")
+"""Host CPU seconds by role, loader cores and busy share: means, not medians. Loader workers work in bursts (the
+online mode makes a whole work unit's examples at once, then idles for several steps), so the median step of a
+busy loader can show no loader CPU at all; the mean is what it costs per step."""
 
 
 def steady_state_figures(steady: list[dict[str, Any]]) -> dict[str, Any]:
     """The per-step figures of `steady` (steady-state metrics records) reduced to one value each: the median of
-    every STEP_FIGURES key; data_wait_share = total data wait / total step time (a median would hide the
+    every STEP_FIGURES key (the mean of the MEAN_FIGURES ones); data_wait_share = total data wait / total step time (a median would hide the
     occasional stall that a share of time shows); tokens_per_s_spread = interquartile range of tokens/s over its
     median (how far apart two runs must be to call one faster; None under two steps). Used by summary.json
     and by the study's results, so both report the same numbers."""
@@ -148,7 +191,11 @@ def steady_state_figures(steady: list[dict[str, Any]]) -> dict[str, Any]:
         values = [float(r[key]) for r in steady if r.get(key) is not None]
         return statistics.median(values) if values else None
 
-    figures: dict[str, Any] = {key: median(key) for key in STEP_FIGURES}
+    def mean(key: str) -> float | None:
+        values = [float(r[key]) for r in steady if r.get(key) is not None]
+        return statistics.fmean(values) if values else None
+
+    figures: dict[str, Any] = {key: (mean if key in MEAN_FIGURES else median)(key) for key in STEP_FIGURES}
     total_step = sum(float(r.get("step_time_s") or 0.0) for r in steady)
     total_wait = sum(float(r.get("data_wait_s") or 0.0) for r in steady)
     figures["data_wait_share"] = total_wait / total_step if total_step > 0 else None

@@ -27,7 +27,7 @@ from pretrain import checkpoint as ckpt
 from pretrain.anomalies import DEBUG_SPIKE_FACTOR, MAX_ROLLBACKS, StepGuard
 from pretrain.ranks import RESUMABLE_EXIT, heartbeat, launch_t0, preemption
 from pretrain.hostcpu import HostMeter, bind_rank, set_omp_threads
-from pretrain.metrics import MetricsLog, host_peak_rss_gib, peak_tflops_for, summarize, write_summary
+from pretrain.metrics import MetricsLog, PhaseClock, host_peak_rss_gib, peak_tflops_for, summarize, write_summary
 
 
 @dataclasses.dataclass
@@ -485,6 +485,7 @@ class Trainer:
         batches = iter(self.loader)
         engine, config = self.engine, self.config
         synchronize = (lambda: None) if self.on_cpu else self.accelerator.synchronize
+        clock = PhaseClock(cuda=not self.on_cpu)
         step = self.start_step
         while step < self.end_step:
             step += 1
@@ -508,20 +509,26 @@ class Trainer:
                 checksum += int((batch["input_ids"] * self.position_weights).sum())
                 input_ids = batch["input_ids"].to(self.device, non_blocking=True)
                 labels = batch["labels"].to(self.device, non_blocking=True)
+                clock.begin()
                 with record_function("pretrain.forward"):
                     loss = engine(input_ids, labels=labels)
                     if loss_factor is not None:            # --debug-nan-batches / --debug-spike-batches
                         loss = loss * loss_factor
+                clock.end("forward_s")
+                clock.begin()
                 with record_function("pretrain.backward"):
                     engine.backward(loss)
+                clock.end("backward_s")
                 losses.append(loss.detach().float())
                 if micro == self.grad_accum - 1:           # the step's loss on every rank, before its update
                     reduced = torch.stack([torch.stack(losses).mean().double().to(self.device),
                                            torch.tensor(float(checksum), dtype=torch.float64, device=self.device)])
                     torch.distributed.all_reduce(reduced)
                     self._begin_verdict(float(reduced[0]) / self.world_size)
+                clock.begin()
                 with record_function("pretrain.step"), self.host.optimizer():   # the optimizer step (last micro)
                     engine.step()
+                clock.end("optimizer_s")
             skipped = self._finish_verdict(step)
             synchronize()
             step_time_s = time.perf_counter() - step_start
@@ -535,6 +542,7 @@ class Trainer:
             yield {
                 "step": step, "loss": self._finite(self.pending["loss"]), "lr": lr,
                 "step_time_s": step_time_s, "data_wait_s": data_wait_s, "compute_s": step_time_s - data_wait_s,
+                **clock.totals(),
                 "tokens": self.tokens_per_step, "tokens_per_s": self.tokens_per_step / step_time_s,
                 "samples_per_s": self.global_batch / step_time_s, "tflops_per_gpu": tflops_per_gpu,
                 "mfu": tflops_per_gpu / self.peak_tflops if self.peak_tflops else None,

@@ -4,13 +4,14 @@
 # `prep corpus` (the GPU machine has no Ray). Carry both; then on the GPU machine:
 #   ./scripts/gpu_study.sh GRID.yaml SHARDS [SECONDS]
 # runs `study run` for at most SECONDS (default 330; unfinished points are left for a rerun), rebuilds the
-# report, and copies results.csv, report.md, the plots, the log and the study's runs (runs.tar.gz) into $OUT
-# (or ./gpu-out). The study lives in STUDY_DIR (default .gpu/studies/GRID-NAME): to go on with a grid on a
+# report, and puts the log and the study (study.json, runs/, logs/ as runs.tar.gz) into $OUT/GRID-NAME (or
+# ./gpu-out/GRID-NAME): two files per study, as a call brings back at most 8. Here, unpack runs.tar.gz into a
+# directory and run `study report DIR` for results.csv, report.md and the plots. The study lives in STUDY_DIR (default .gpu/studies/GRID-NAME): to go on with a grid on a
 # fresh machine, unpack the last runs.tar.gz there, here, and carry .gpu again: finished points are skipped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 GRID=${1:?grid file}; DATA=${2:?shard set}; SECONDS_FOR_STUDY=${3:-330}
-DEST=${OUT:-gpu-out}; mkdir -p "$DEST"
+DEST=${OUT:-gpu-out}/$(basename "$GRID" .yaml); mkdir -p "$DEST"
 NAME=gpu_study; source scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__, "gpus", torch.cuda.device_count())' 2>&1 | grep -v WARNING
@@ -18,6 +19,6 @@ STUDY=${STUDY_DIR:-.gpu/studies/$(basename "$GRID" .yaml)}
 timeout -s INT -k 30 "$SECONDS_FOR_STUDY" python3 -m pretrain.study.cli run "$GRID" --data "$DATA" --out "$STUDY" 2>&1 \
   | grep -v 'real_accelerator.py' | tee "$DEST/study.log"
 python3 -m pretrain.study.cli report "$STUDY" 2>&1 | tee -a "$DEST/study.log"
-cp "$STUDY"/results.csv "$STUDY"/report.md "$STUDY"/*.png "$DEST"/ 2>/dev/null
-tar -czf "$DEST/runs.tar.gz" -C "$STUDY" --exclude='checkpoints' --exclude='tb' study.json runs 2>/dev/null
+tar -czf "$DEST/runs.tar.gz" -C "$STUDY" --exclude='checkpoints' --exclude='tb' --exclude='*.gate' study.json runs logs \
+  2>/dev/null
 ls -la "$DEST"

@@ -4,7 +4,7 @@
 
 A grid file (YAML) holds `name`, `description`, `data` (the shared shard set, or a `prep corpus` spec),
 `base` (settings every point shares), `grid` (axes: a value or a list of values each), `exclude` / `include`
-rules and `pretrain_command`. An axis is any `TrainConfig` field, and so is any `base` key beside the study's
+rules, `repeats` (run points more than once, to measure run-to-run spread) and `pretrain_command`. An axis is any `TrainConfig` field, and so is any `base` key beside the study's
 own settings (`StudySettings`, and `skip_steps` for `steady_skip`): a new pretrain setting is a new axis with
 no edit here. Every point is built and checked by `config_from_values` when the grid is loaded, so a bad grid
 fails in one line naming the file and the point before anything is prepared or launched.
@@ -28,7 +28,9 @@ from pretrain.config import TrainConfig, config_from_values
 
 CLASSIC_AXES = ("model", "zero", "offload", "micro_batch", "loader_workers", "nproc", "activation_checkpointing")
 """The axes every study has (and every results.csv column list starts with), named in the point id's fixed part."""
-GRID_KEYS = ("name", "description", "data", "base", "grid", "exclude", "include", "pretrain_command")
+GRID_KEYS = ("name", "description", "data", "base", "grid", "exclude", "include", "repeats", "pretrain_command")
+REPEAT_SUFFIX = re.compile(r"-r(\d+)$")
+"""A repeat's point id: the point's id + -r2, -r3 ... (the first run keeps the plain id)."""
 SET_BY_STUDY = ("data", "out")      # TrainConfig fields the study fills in: the shard set and STUDY/runs/<point-id>
 SKIP_STEPS_KEY = "skip_steps"       # the grid files' name for TrainConfig.steady_skip
 AXIS_NAMES = tuple(sorted(field_names(TrainConfig) - set(SET_BY_STUDY)))
@@ -105,6 +107,10 @@ class StudyGrid:
     exclude: list[dict[str, Any]]
     include: list[dict[str, Any]]
     pretrain_command: list[str] | None = None
+    repeats: int = 1
+    """How many runs each point repeated gets (1: none); see `repeat_where`."""
+    repeat_where: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """The rules (exclude-style) choosing the points repeated; empty: every point."""
 
     @property
     def extra_axes(self) -> tuple[str, ...]:
@@ -137,7 +143,8 @@ class StudyGrid:
         The product of the axes, minus `exclude` matches, plus `include` entries. An `exclude` rule removes
         every point whose values match all its keys (a list value matches any of its items). An `include` entry
         is a small grid of its own (scalars or lists); axes it does not name take their first grid value.
-        Order: product order, then includes; duplicates are dropped.
+        Order: product order, then includes; duplicates are dropped. Then the repeats: the second run of each
+        repeated point (id + `-r2`), then the third, ..., so a sweep cut short has every point once first.
         """
         names = list(self.axes)
         product = [dict(zip(names, values)) for values in itertools.product(*self.axes.values())]
@@ -146,12 +153,25 @@ class StudyGrid:
         for entry in self.include:
             sub_axes = [as_list(entry.get(axis, self.axes[axis][0])) for axis in names]
             chosen += [dict(zip(names, values)) for values in itertools.product(*sub_axes)]
-        unique: dict[str, TrainConfig] = {}
+        unique: dict[str, tuple[dict[str, Any], TrainConfig]] = {}
         for values in chosen:
             point_id = self.point_id(values)
             if point_id not in unique:
-                unique[point_id] = self._point_config(values, point_id, shards, Path(runs_dir) / point_id)
-        return list(unique.values())
+                unique[point_id] = values, self._point_config(values, point_id, shards, Path(runs_dir) / point_id)
+        points = [config for _, config in unique.values()]
+        repeated = [(point_id, config) for point_id, (values, config) in unique.items()
+                    if not self.repeat_where or any(_matches(defaults | values, rule) for rule in self.repeat_where)]
+        for run in range(2, self.repeats + 1):
+            points += [dataclasses.replace(config, out=str(Path(runs_dir) / f"{point_id}-r{run}"))
+                       for point_id, config in repeated]
+        return points
+
+    @staticmethod
+    def repeat_of(config: TrainConfig) -> tuple[str, int]:
+        """(the point's id, which run of it) for a point's config: runs/mt5-base-...-r2 -> (mt5-base-..., 2)."""
+        name = Path(config.out).name
+        match = REPEAT_SUFFIX.search(name)
+        return (name[:match.start()], int(match.group(1))) if match else (name, 1)
 
     def _point_config(self, values: dict[str, Any], point_id: str, shards: str, run_dir: Path) -> TrainConfig:
         where = f"{self.source}: point {point_id}"
@@ -216,6 +236,16 @@ def _read_rules(path: Path, raw: dict[str, Any], key: str) -> list[dict[str, Any
     return entries
 
 
+def _read_repeats(path: Path, raw: Any) -> tuple[int, list[dict[str, Any]]]:
+    """`repeats: 3` (every point three times) or `repeats: {times: 3, where: [{model: mt5-large, zero: 2}]}`."""
+    spec = {"times": raw} if not isinstance(raw, dict) else raw
+    times = spec.get("times")
+    if isinstance(times, bool) or not isinstance(times, int) or times < 1 or set(spec) - {"times", "where"}:
+        raise UserError(f"{path}: repeats must be a count >= 1 or {{times: 3, where: [rules like exclude's]}}, "
+                        f"got {raw!r}")
+    return times, _read_rules(path, {"repeats.where": spec.get("where")}, "repeats.where")
+
+
 def load_grid(path: str | os.PathLike) -> StudyGrid:
     """Read a grid file and build every point; any problem raises `UserError` naming the file and the fix."""
     path = Path(path)
@@ -242,8 +272,10 @@ def load_grid(path: str | os.PathLike) -> StudyGrid:
     command = raw.get("pretrain_command")
     if command is not None and (not isinstance(command, list) or not all(isinstance(c, str) for c in command)):
         raise UserError(f"{path}: pretrain_command must be a list of strings, e.g. [deepspeed, -m, pretrain.cli]")
+    repeats, repeat_where = _read_repeats(path, raw.get("repeats", 1))
     grid = StudyGrid(name=str(raw.get("name") or path.stem), source=path, data=data, settings=settings, base=base,
-                     axes=axes, exclude=exclude, include=include, pretrain_command=command)
-    if not grid.points():
+                     axes=axes, exclude=exclude, include=include, pretrain_command=command, repeats=repeats,
+                     repeat_where=repeat_where)
+    if not grid.points(data if isinstance(data, str) else "SHARDS"):     # builds (checks) every point
         raise UserError(f"{path}: the grid has no points left after exclude; loosen the exclude rules")
     return grid

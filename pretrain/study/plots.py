@@ -1,5 +1,5 @@
-"""A study's five PNG plots (matplotlib, Agg): throughput and memory per ZeRO stage, data wait vs loader workers,
-the step-time breakdown of every finished point and its host CPU by role.
+"""A study's five PNG plots (matplotlib, Agg): throughput and memory per ZeRO stage, data wait and step time vs
+loader workers per loader mode, the step-time breakdown of every finished point and its host CPU by role.
 
     write_plots(read_results_csv("studies/x/results.csv"), "studies/x")   # throughput.png, memory.png, ...
 """
@@ -111,44 +111,74 @@ def plot_memory(rows: list[dict[str, Any]], path: Path) -> Path:
     return _per_model_figure(rows, path, "Memory: measured peak vs pre-training estimate", draw)
 
 
-def plot_data_wait(rows: list[dict[str, Any]], path: Path) -> Path:
-    """Data-wait share (worst over other axes) vs loader workers, one line per stage/offload, panel per model."""
-    colors = {stage: f"C{i % 10}" for i, stage in enumerate(stage_order(rows))}  # same stage, same colour
+def plot_loading(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Per model, two panels: data-wait share and step time against loader workers, one line per stage/offload
+    and loader mode (colour: stage, line style: mode); the bars span a repeated point's min-max over its runs.
+    Other axes (micro batch, ...) are reduced to the fastest point at each worker count."""
+    import matplotlib
 
-    def draw(ax, group):
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = ok_rows({"loader": "shards", **r} for r in rows)          # rows of older studies have no loader column
+    groups, several_nproc = model_groups(ok)
+    colors = {stage: f"C{i % 10}" for i, stage in enumerate(stage_order(ok))}   # same stage, same colour
+    styles = {"shards": "-", "online": "--", "remote": ":"}
+    fig, axes = plt.subplots(max(1, len(groups)), 2, figsize=(10.0, 3.6 * max(1, len(groups))), squeeze=False)
+    for (wait_ax, step_ax), ((model, nproc), group) in zip(axes, groups.items()):
         for zero, offload in stage_order(group):
-            by_workers = group_by([r for r in group if (r["zero"], r["offload"]) == (zero, offload)], "loader_workers")
-            workers = sorted(w for (w,), items in by_workers.items() if largest(items, "data_wait_share") is not None)
-            shares = [100 * largest(by_workers[(w,)], "data_wait_share") for w in workers]
-            ax.plot(workers, shares, marker="o", label=stage_label(zero, offload), color=colors[(zero, offload)])
-        ax.set_xticks(sorted({r["loader_workers"] for r in group}))
-        ax.axhline(100 * DATA_WAIT_TARGET, color="black", linestyle="--", linewidth=0.8,
-                   label=f"{DATA_WAIT_TARGET:.0%} target")
-        ax.set_xlabel("loader workers")
-        ax.set_ylabel("data wait, % of step time")
-        ax.legend(fontsize=7)
+            stage = [r for r in group if (r["zero"], r["offload"]) == (zero, offload)]
+            for (mode,), items in sorted(group_by(stage, "loader").items(), key=lambda kv: str(kv[0])):
+                best = {w: max(points, key=lambda r: r.get("tokens_per_s") or 0.0)
+                        for (w,), points in group_by(items, "loader_workers").items()}
+                workers = sorted(best)
+                label = f"{stage_label(zero, offload)}, {mode}"
+                for ax, key, scale in ((wait_ax, "data_wait_share", 100.0), (step_ax, "step_time_s", 1.0)):
+                    values = [scale * (best[w].get(key) or 0.0) for w in workers]
+                    low = [v - scale * best[w].get(f"{key}_min", best[w].get(key) or 0.0) for v, w in zip(values, workers)]
+                    high = [scale * best[w].get(f"{key}_max", best[w].get(key) or 0.0) - v for v, w in zip(values, workers)]
+                    ax.errorbar(workers, values, yerr=[low, high], marker="o", capsize=3, label=label,
+                                color=colors[(zero, offload)], linestyle=styles.get(mode, "-."))
+        title = group_label(model, nproc, several_nproc)
+        wait_ax.axhline(100 * DATA_WAIT_TARGET, color="black", linestyle="--", linewidth=0.8,
+                        label=f"{DATA_WAIT_TARGET:.0%} target")
+        wait_ax.set(title=f"{title}: data wait", xlabel="loader workers", ylabel="data wait, % of step time")
+        step_ax.set(title=f"{title}: step time", xlabel="loader workers", ylabel="seconds per step (median)")
+        for ax in (wait_ax, step_ax):
+            ax.set_xticks(sorted({r["loader_workers"] for r in group}))
+        wait_ax.legend(fontsize=6)
+    if not groups:
+        _no_data(axes[0][0])
+        axes[0][1].set_visible(False)
+    fig.suptitle("Data loading: data wait and step time vs loader workers, per loader mode and stage")
+    return _save(plt, fig, path)
 
-    return _per_model_figure(ok_rows(rows), path, "Data-wait share vs loader workers", draw)
+
+STEP_PARTS = (("data_wait_s", "data wait", "tab:red"), ("forward_s", "forward", "tab:blue"),
+              ("backward_s", "backward", "tab:cyan"), ("optimizer_s", "optimizer step", "tab:green"))
 
 
 def plot_step_time(rows: list[dict[str, Any]], path: Path, extra_axes: tuple[str, ...] = ()) -> Path:
-    """Median step time of every finished point, stacked: data wait, compute, the rest (optimizer, comms...);
-    a point's label names the classic axes, then the grid's other axes (`extra_axes`)."""
+    """Median step time of every finished point, stacked: data wait, forward, backward, optimizer step, and the
+    rest (communication outside those calls, host gaps); rows without the phase split show compute as one part."""
     ok = [r for r in ok_rows(rows) if r.get("step_time_s") is not None]
     plt, fig, axes = _figure(1, width=9.0, height=max(3.0, 0.28 * len(ok) + 1.2))
     ax = axes[0]
     if ok:
-        wait = [r.get("data_wait_s") or 0.0 for r in ok]
-        compute = [r.get("compute_s") or 0.0 for r in ok]
-        rest = [max(0.0, r["step_time_s"] - w - c) for r, w, c in zip(ok, wait, compute)]
-        positions = range(len(ok))
-        ax.barh(positions, wait, label="data wait", color="tab:red")
-        ax.barh(positions, compute, left=wait, label="compute", color="tab:blue")
-        ax.barh(positions, rest, left=[w + c for w, c in zip(wait, compute)], label="other", color="tab:gray")
-        ax.set_yticks(list(positions), [f"{r['model']} z{r['zero']}{'' if r['offload'] == 'none' else '+' + r['offload']}"
-                                        f" mb{r['micro_batch']} w{r['loader_workers']} n{r['nproc']}"
-                                        + "".join(f" {axis}={r.get(axis)}" for axis in extra_axes) for r in ok],
-                      fontsize=7)
+        left = [0.0] * len(ok)
+        split = [r.get("forward_s") is not None for r in ok]
+        parts = [*STEP_PARTS, ("compute_s", "compute (not split)", "tab:purple")]
+        for key, label, color in parts:
+            if key == "compute_s":
+                widths = [0.0 if has else (r.get(key) or 0.0) for r, has in zip(ok, split)]
+            else:
+                widths = [r.get(key) or 0.0 for r in ok]
+            if any(widths):
+                ax.barh(range(len(ok)), widths, left=left, label=label, color=color)
+                left = [a + b for a, b in zip(left, widths)]
+        rest = [max(0.0, r["step_time_s"] - done) for r, done in zip(ok, left)]
+        ax.barh(range(len(ok)), rest, left=left, label="communication, host gaps", color="tab:gray")
+        ax.set_yticks(list(range(len(ok))), [_point_label(r, extra_axes) for r in ok], fontsize=7)
         ax.invert_yaxis()
         ax.set_xlabel("seconds per step (median)")
         ax.legend(fontsize=8)
@@ -160,7 +190,8 @@ def plot_step_time(rows: list[dict[str, Any]], path: Path, extra_axes: tuple[str
 
 def _point_label(r: dict[str, Any], extra_axes: tuple[str, ...]) -> str:
     return (f"{r['model']} z{r['zero']}{'' if r['offload'] == 'none' else '+' + r['offload']} mb{r['micro_batch']} "
-            f"w{r['loader_workers']} n{r['nproc']}" + "".join(f" {axis}={r.get(axis)}" for axis in extra_axes))
+            f"w{r['loader_workers']} n{r['nproc']}"
+            + "".join(f" {axis}={r[axis]}" for axis in extra_axes if r.get(axis) is not None))
 
 
 def plot_host_cpu(rows: list[dict[str, Any]], path: Path, extra_axes: tuple[str, ...] = ()) -> Path:
@@ -186,10 +217,10 @@ def plot_host_cpu(rows: list[dict[str, Any]], path: Path, extra_axes: tuple[str,
 
 def write_plots(rows: list[dict[str, Any]], out_dir: str | os.PathLike,
                 extra_axes: tuple[str, ...] = ()) -> dict[str, Path]:
-    """The four PNGs of PLOTS in `out_dir`."""
+    """The PNGs of PLOTS in `out_dir`."""
     out_dir = Path(out_dir)
     return {"throughput": plot_throughput(rows, out_dir / PLOTS["throughput"]),
             "memory": plot_memory(rows, out_dir / PLOTS["memory"]),
-            "data_wait": plot_data_wait(rows, out_dir / PLOTS["data_wait"]),
+            "data_wait": plot_loading(rows, out_dir / PLOTS["data_wait"]),
             "step_time": plot_step_time(rows, out_dir / PLOTS["step_time"], extra_axes),
             "host_cpu": plot_host_cpu(rows, out_dir / PLOTS["host_cpu"], extra_axes)}

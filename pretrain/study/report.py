@@ -195,17 +195,27 @@ def _table(header: list[str], body: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _with_range(row: dict[str, Any], key: str, spec: str) -> str:
+    """A figure, and for a point run several times its min-max over the runs and the count: 1,234 (1,200-1,250, 3 runs)."""
+    text = _fmt(row.get(key), spec)
+    low, high = row.get(f"{key}_min"), row.get(f"{key}_max")
+    if low is None or high is None:
+        return text
+    return f"{text} ({_fmt(low, spec)}-{_fmt(high, spec)}, {row['runs'].split('/')[0]} runs)"
+
+
 def results_table(rows: list[dict[str, Any]], extra_axes: tuple[str, ...] = ()) -> str:
-    """One line per point; the axes a grid varies beside the classic ones follow the `ckpt` column."""
+    """One line per point; the axes a grid varies beside the classic ones follow the `ckpt` column. A point run
+    several times (a grid's `repeats`) shows its median run, with min-max over the runs."""
     header = ["model", "stage", "mb", "workers", "GPUs", "ckpt", *extra_axes, "status", "tok/s", "samples/s", "TFLOP/s/GPU",
               "MFU", "step s", "data wait s", "compute s", "data wait", "peak GiB", "est GPU GiB", "est CPU GiB",
               "reason"]
     body = [[r["model"], stage_label(r["zero"], r["offload"]), str(r["micro_batch"]), str(r["loader_workers"]),
              str(r["nproc"]), "on" if r.get("activation_checkpointing") else "off",
              *("–" if r.get(axis) is None else str(r[axis]) for axis in extra_axes), r["status"],
-             _fmt(r.get("tokens_per_s"), ",.0f"), _fmt(r.get("samples_per_s"), ",.1f"),
+             _with_range(r, "tokens_per_s", ",.0f"), _fmt(r.get("samples_per_s"), ",.1f"),
              _fmt(r.get("tflops_per_gpu"), ".3g"), _fmt(r.get("mfu"), ".1f", 100, "%"),
-             _fmt(r.get("step_time_s"), ".3g"), _fmt(r.get("data_wait_s"), ".3g"), _fmt(r.get("compute_s"), ".3g"),
+             _with_range(r, "step_time_s", ".3g"), _fmt(r.get("data_wait_s"), ".3g"), _fmt(r.get("compute_s"), ".3g"),
              _fmt(r.get("data_wait_share"), ".2f", 100, "%"), _fmt(r.get("peak_mem_gib"), ".3g"),
              _fmt(r.get("est_gpu_gib"), ".3g"), _fmt(r.get("est_cpu_gib"), ".3g"), r.get("reason") or ""]
             for r in rows]

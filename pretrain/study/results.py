@@ -22,9 +22,9 @@ from pipeline.common import UserError, atomic_write_bytes
 from pipeline.settings import field_names, setting_type
 from pretrain.config import TrainConfig
 from pretrain.hostcpu import HOST_KEYS
-from pretrain.metrics import read_metrics, steady_state_figures
+from pretrain.metrics import PHASE_KEYS, read_metrics, steady_state_figures
 from pretrain.study import plots, report
-from pretrain.study.grid import CLASSIC_AXES
+from pretrain.study.grid import CLASSIC_AXES, REPEAT_SUFFIX
 
 STUDY_FILE = "study.json"
 POINT_FILE = "study_point.json"
@@ -33,14 +33,14 @@ RUNS_DIR = "runs"
 RESULTS_CSV = "results.csv"
 FINISHED_STATUSES = ("ok", "failed", "oom", "timeout")
 HOST_COLUMNS = HOST_KEYS      # rank 0's host accounting, medians over the steady steps (pretrain.hostcpu)
-METRIC_COLUMNS = ("global_batch", "grad_accum", "steps", "status", "reason", "steps_done", "steps_measured",
+METRIC_COLUMNS = ("repeat", "global_batch", "grad_accum", "steps", "status", "reason", "steps_done", "steps_measured",
                   "tokens_per_s", "tokens_per_s_spread", "samples_per_s", "tflops_per_gpu", "mfu", "step_time_s",
-                  "data_wait_s", "compute_s", "data_wait_share", "peak_mem_gib", "est_gpu_gib", "est_cpu_gib",
+                  "data_wait_s", "compute_s", *PHASE_KEYS, "data_wait_share", "peak_mem_gib", "est_gpu_gib", "est_cpu_gib",
                   "est_method", "wall_s", *HOST_COLUMNS)
 """The columns after the axes; a TrainConfig field among them (steps, global_batch) is typed as the field."""
-INT_COLUMNS = {"grad_accum", "steps_done", "steps_measured"}
+INT_COLUMNS = {"repeat", "grad_accum", "steps_done", "steps_measured"}
 FLOAT_COLUMNS = {"tokens_per_s", "tokens_per_s_spread", "samples_per_s", "tflops_per_gpu", "mfu", "step_time_s",
-                 "data_wait_s", "compute_s", "data_wait_share", "peak_mem_gib", "est_gpu_gib", "est_cpu_gib", "wall_s",
+                 "data_wait_s", "compute_s", *PHASE_KEYS, "data_wait_share", "peak_mem_gib", "est_gpu_gib", "est_cpu_gib", "wall_s",
                  *HOST_COLUMNS}
 TEXT_COLUMNS = {"reason", "est_method"}     # empty reads back as "", not None
 _SETTINGS = field_names(TrainConfig)
@@ -130,7 +130,8 @@ def result_row(record: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     config = record["config"]
     launched = _read_json(run_dir / "config.json")      # what pretrain resolved, when it got that far
     row: dict[str, Any] = dict(record["point"])
-    row.update(point_id=record["point_id"], status=record["status"], reason=record.get("reason", ""),
+    row.update(point_id=record["point_id"], repeat=record.get("repeat", 1), status=record["status"],
+               reason=record.get("reason", ""),
                steps=config["steps"], global_batch=launched.get("global_batch", config["global_batch"]),
                wall_s=record.get("wall_s"))
     row.update(summarize_metrics(read_metrics(run_dir / "metrics.jsonl"), config["steady_skip"]))
@@ -163,15 +164,56 @@ def recorded_axes(records: Iterable[dict[str, Any]]) -> tuple[str, ...]:
     return tuple(dict.fromkeys([*CLASSIC_AXES, *(axis for record in records for axis in record["point"])]))
 
 
+# ------------------------------------------------------------------------------------------------ repeats
+
+SPREAD_FIGURES = ("tokens_per_s", "step_time_s", "data_wait_share")
+"""The figures whose min and max over a point's runs the report shows (`<figure>_min`, `<figure>_max`)."""
+
+
+def config_id(row: dict[str, Any]) -> str:
+    """The id a row's point has without its run suffix: the runs of one point share it."""
+    return REPEAT_SUFFIX.sub("", row["point_id"])
+
+
+def combine_runs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per point from results rows that may hold several runs of it (a grid's `repeats`).
+
+    A point with one run keeps its row. For several: the run whose tokens/s is the median of the ok runs stands
+    for the point (so its figures stay one consistent run), with `runs` (ok runs / runs), `<figure>_min` and
+    `_max` over the ok runs, and `tokens_per_s_spread` widened to (max - min) / median where that is larger than
+    the runs' own step-to-step spread: the report calls two points the same within that spread. A point whose
+    runs all failed keeps its first run's row."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(config_id(row), []).append(row)
+    combined = []
+    for ident, runs in groups.items():
+        ok = sorted((r for r in runs if r["status"] == "ok" and r.get("tokens_per_s")), key=lambda r: r["tokens_per_s"])
+        if len(runs) == 1 or not ok:
+            combined.append({**runs[0], "point_id": ident, "runs": f"{len(ok)}/{len(runs)}"})
+            continue
+        middle = ok[(len(ok) - 1) // 2]
+        row = {**middle, "point_id": ident, "runs": f"{len(ok)}/{len(runs)}"}
+        for figure in SPREAD_FIGURES:
+            values = [r[figure] for r in ok if r.get(figure) is not None]
+            if values:
+                row[f"{figure}_min"], row[f"{figure}_max"] = min(values), max(values)
+        across = (ok[-1]["tokens_per_s"] - ok[0]["tokens_per_s"]) / middle["tokens_per_s"]
+        row["tokens_per_s_spread"] = max(across, *(r.get("tokens_per_s_spread") or 0.0 for r in ok))
+        combined.append(row)
+    return combined
+
+
 # ------------------------------------------------------------------------------------------------ the report
 
 def write_report(rows: list[dict[str, Any]], out_dir: str | os.PathLike, setup: dict[str, Any],
                  axes: Sequence[str] = CLASSIC_AXES) -> dict[str, Any]:
-    """results.csv, report.md and the four PNGs in `out_dir`, all from `rows`."""
+    """results.csv (one row per run), report.md and the PNGs in `out_dir` (one row per point: combine_runs)."""
     out_dir = Path(out_dir)
     extra_axes = tuple(axis for axis in axes if axis not in CLASSIC_AXES)
     csv_path = out_dir / RESULTS_CSV
     write_results_csv(rows, csv_path, axes)
+    rows = combine_runs(rows)
     written_plots = plots.write_plots(rows, out_dir, extra_axes=extra_axes)
     md_path = out_dir / report.REPORT_MD
     atomic_write_bytes(md_path, report.render_markdown(rows, setup, written_plots, extra_axes=extra_axes).encode())

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -38,7 +38,7 @@ from pretrain.launch import last_error_line
 from pretrain.metrics import read_metrics
 from pretrain.ranks import RESUMABLE_EXIT, START_GATE_ENV, die_with_parent, signal_name
 from pretrain.runlock import output_dir, wait_until_unlocked
-from pretrain.study.grid import SET_BY_STUDY, SKIP_STEPS_KEY, StudyGrid, as_list, load_grid
+from pretrain.study.grid import SET_BY_STUDY, SKIP_STEPS_KEY, StudyGrid, StudySettings, as_list, load_grid
 from pretrain.study.report import format_rate
 from pretrain.study.results import (FINISHED_STATUSES, POINT_CONFIG, POINT_FILE, RUNS_DIR, STUDY_FILE,
                                     read_point_record, rebuild_report, summarize_metrics)
@@ -62,16 +62,11 @@ def console_script(name: str) -> list[str]:
     return [sys.executable, "-m", CONSOLE_SCRIPT_MODULES[name]]
 
 
-def point_command(grid: StudyGrid, config: TrainConfig) -> list[str]:
-    """The launch of one point: the pretrain command and `--config` its point.yaml, nothing else."""
-    return [*(grid.pretrain_command or console_script("pretrain")), "--config", str(Path(config.out) / POINT_CONFIG)]
-
-
-def write_point_config(grid: StudyGrid, config: TrainConfig) -> Path:
+def write_point_config(config: TrainConfig, header: str = "study point") -> Path:
     """runs/<point-id>/point.yaml: every TrainConfig field of the point (the file its launch reads)."""
     path = Path(config.out) / POINT_CONFIG
-    text = (f"# study {grid.name}, point {grid.point_id(config)} of {grid.source}; launched as "
-            f"`pretrain --config {path}`\n" + yaml.safe_dump(to_yaml_values(config), sort_keys=False))
+    text = (f"# {header}: point {path.parent.name}; launched as `pretrain --config {path}`\n"
+            + yaml.safe_dump(to_yaml_values(config), sort_keys=False))
     atomic_write_bytes(path, text.encode())
     return path
 
@@ -335,15 +330,138 @@ def _interrupt(signum, frame):
 def _dry_run(grid: StudyGrid, points: list[TrainConfig], runs: Path) -> dict[str, Any]:
     """List the points, their launches and the settings each sets off its default; prepare and launch nothing."""
     defaults = to_yaml_values(TrainConfig(data="-", out="-"))
+    sweep = grid_sweep(grid, runs.parent, fingerprint="")
     for index, config in enumerate(points, 1):
-        record = read_point_record(runs / grid.point_id(config))
+        record = read_point_record(Path(config.out))
         state = f"  [done: {record['status']}]" if record else ""
         settings = " ".join(f"{name}={value}" for name, value in to_yaml_values(config).items()
                             if value != defaults[name] and name not in SET_BY_STUDY)
-        print(f"[{index}/{len(points)}] {grid.label(config)}{state}\n    {shlex.join(point_command(grid, config))}"
+        print(f"[{index}/{len(points)}] {sweep.label(config)}{state}\n    {shlex.join(sweep.command(config))}"
               f"\n    point.yaml: {settings}")
     print(f"dry run: {len(points)} points, nothing launched")
     return {"points": len(points), "launched": 0}
+
+
+@dataclass
+class Sweep:
+    """How the points of one study directory are launched: everything `run_points` needs beside the points.
+
+    `label(config)` is the progress label and `values(config)` the axis values a record keeps; a point's id is its
+    run directory's name (config.out = STUDY/runs/<id>)."""
+
+    study_dir: Path
+    settings: StudySettings
+    fingerprint: str
+    label: Callable[[TrainConfig], str]
+    values: Callable[[TrainConfig], dict[str, Any]]
+    pretrain_command: list[str] | None = None
+    repeat_of: Callable[[TrainConfig], tuple[str, int]] = StudyGrid.repeat_of
+    """(the point's id, which run of it): repeats of one point share the id, their results are grouped."""
+    header: str = "study point"
+    """The first line of each point.yaml (a comment): which study and file the point comes from."""
+
+    def command(self, config: TrainConfig) -> list[str]:
+        """The launch of one point: the pretrain command and `--config` its point.yaml, nothing else."""
+        return [*(self.pretrain_command or console_script("pretrain")), "--config",
+                str(Path(config.out) / POINT_CONFIG)]
+
+
+def new_counts(points: int = 0) -> dict[str, int]:
+    return {status: 0 for status in FINISHED_STATUSES} | {"points": points, "skipped": 0, "launched": 0}
+
+
+def run_points(sweep: Sweep, points: list[TrainConfig], *, retry_failed: bool = False,
+               counts: dict[str, int] | None = None, numbering: tuple[int, int] | None = None,
+               ) -> list[dict[str, Any]]:
+    """Launch each unfinished point (one real `pretrain --config runs/<id>/point.yaml` each) in order, classify
+    and record it (runs/<id>/study_point.json, written last), and return every point's record, finished earlier
+    or now, in the order given. A point finished earlier (ok, or failed and not `retry_failed`) is skipped.
+    `counts` (see new_counts) is updated in place; `numbering` = (first index, total) for the progress lines.
+    With settings.overlap_startup the next point's launch starts while the current one trains (not beside an
+    offload point). Ctrl-C / SIGTERM stop the current launch; a lack of space stops the sweep (UserError)."""
+    counts = counts if counts is not None else new_counts(len(points))
+    first, total = numbering or (1, len(points))
+    records: dict[int, dict[str, Any]] = {}
+    todo: list[tuple[int, TrainConfig]] = []
+    for position, config in enumerate(points):
+        index = first + position
+        previous = read_point_record(Path(config.out))
+        if previous and (previous["status"] == "ok" or not retry_failed):
+            counts["skipped"] += 1
+            counts[previous["status"]] += 1
+            records[position] = previous
+            print(f"[{index}/{total}] {sweep.label(config)} ... skipped ({previous['status']} earlier)", flush=True)
+        else:
+            todo.append((position, config))
+
+    def start(config: TrainConfig, gated: bool) -> PointLaunch:
+        run_dir = Path(config.out)
+        if run_dir.exists():  # a failed or interrupted earlier attempt of this point: start it afresh
+            # ... once no launch of it is left (an interrupted study's point may still be saving and exiting)
+            wait_until_unlocked(run_dir, LOCKED_POINT_WAIT_S)
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True)
+        write_point_config(config, sweep.header)
+        gate = sweep.study_dir / LOGS_DIR / f"{run_dir.name}.gate" if gated else None
+        return PointLaunch(sweep.command(config), run_dir, sweep.study_dir / LOGS_DIR, gate)
+
+    ahead: PointLaunch | None = None     # the next point, launched early and waiting at its start gate
+    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)   # SIGTERM stops the point as Ctrl-C does
+    try:
+        for place, (position, config) in enumerate(todo):
+            index = first + position
+            run_dir = Path(config.out)
+            prefix = f"[{index}/{total}] {sweep.label(config)}"
+            current = ahead if ahead is not None else start(config, gated=False)  # ahead was launched for this one
+            ahead = None
+            hidden_s = current.open_gate()
+            if sweep.settings.overlap_startup and config.offload == "none" and place + 1 < len(todo):
+                # offload points keep the host's cores to themselves (CPU Adam): nothing starts beside them
+                ahead = start(todo[place + 1][1], gated=True)
+            if not sys.stdout.isatty():
+                print(f"{prefix} ...", end="", flush=True)
+            outcome = current.wait(sweep.settings.timeout_s, config.steps, prefix)
+            config_id, run = sweep.repeat_of(config)
+            record = {"point_id": run_dir.name, "point": sweep.values(config), "order": index,
+                      "config_id": config_id, "repeat": run,
+                      "status": outcome.status, "reason": outcome.reason, "returncode": outcome.returncode,
+                      "wall_s": round(outcome.wall_s, 2), "startup_ahead_s": round(hidden_s, 2),
+                      "command": current.process.args, "config": to_yaml_values(config),
+                      "study": dataclasses.asdict(sweep.settings), "fingerprint": sweep.fingerprint}
+            run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(run_dir / POINT_FILE, record)
+            records[position] = record
+            counts[outcome.status] += 1
+            counts["launched"] += 1
+            if outcome.status == "failed" and OUT_OF_SPACE.search(outcome.reason):
+                # every later point would fail the same way: stop the sweep, keep what is finished
+                raise UserError(f"{sweep.study_dir}: point {run_dir.name} failed for lack of space "
+                                f"({outcome.reason}); free space there and run the study again (finished points "
+                                f"are kept)")
+            ahead_note = f", {hidden_s:.0f}s of start-up ahead" if hidden_s >= 0.5 else ""
+            if outcome.status == "ok":
+                medians = summarize_metrics(read_metrics(run_dir / "metrics.jsonl"), config.steady_skip)
+                result = f"{format_rate(medians.get('tokens_per_s'))} ({outcome.wall_s:.0f}s{ahead_note})"
+            else:
+                result = f"{outcome.status.upper()}: {outcome.reason} ({outcome.wall_s:.0f}s{ahead_note})"
+            print(f"\r{prefix} ... {result}" if sys.stdout.isatty() else f" {result}", flush=True)
+    finally:     # interrupted (Ctrl-C, SIGTERM, a timeout around the study): no launch outlives the sweep
+        signal.signal(signal.SIGTERM, previous_sigterm)
+        if ahead is not None:
+            ahead.stop()
+    return [records[position] for position in sorted(records)]
+
+
+def _run_label(run: int) -> str:
+    return f" (run {run})" if run > 1 else ""
+
+
+def grid_sweep(grid: StudyGrid, study_dir: Path, fingerprint: str) -> Sweep:
+    """The Sweep of a grid file's points."""
+    return Sweep(study_dir=study_dir, settings=grid.settings, fingerprint=fingerprint,
+                 label=lambda config: grid.label(config) + _run_label(grid.repeat_of(config)[1]),
+                 values=grid.point_values, pretrain_command=grid.pretrain_command,
+                 header=f"study {grid.name}, from {grid.source}")
 
 
 def run_study(grid_path: str | os.PathLike, study_dir: str | os.PathLike, *, data: str | None = None,
@@ -361,74 +479,16 @@ def run_study(grid_path: str | os.PathLike, study_dir: str | os.PathLike, *, dat
     output_dir(study_dir, what="study", flag="study run --out")
     shards = prepare_shards(grid, study_dir, data)
     points = grid.points(shards, runs)
-    # A URL (s3://...) is fetched once into the shared cache, which every launch then reuses.
-    manifest = read_manifest(storage.resolve_shard_dir(shards))
+    # For a URL (s3://...) only the manifest is read here: each point's loader mode decides how the shards come
+    # (`shards` copies the set into the cache once and later launches reuse it; `remote` streams it from cold).
+    manifest = storage.read_remote_manifest(shards) if storage.is_url(shards) else read_manifest(shards)
     record_study_start(grid, points, study_dir, shards, manifest,
                        argv or ["study", "run", str(grid_path), "--out", str(study_dir)])
 
-    counts = {status: 0 for status in FINISHED_STATUSES} | {"points": len(points), "skipped": 0, "launched": 0}
+    counts = new_counts(len(points))
     sweep_start = time.monotonic()
-    todo: list[tuple[int, TrainConfig]] = []
-    for index, config in enumerate(points, 1):
-        previous = read_point_record(Path(config.out))
-        if previous and (previous["status"] == "ok" or not retry_failed):
-            counts["skipped"] += 1
-            counts[previous["status"]] += 1
-            print(f"[{index}/{len(points)}] {grid.label(config)} ... skipped ({previous['status']} earlier)",
-                  flush=True)
-        else:
-            todo.append((index, config))
-
-    def start(config: TrainConfig, gated: bool) -> PointLaunch:
-        run_dir = Path(config.out)
-        if run_dir.exists():  # a failed or interrupted earlier attempt of this point: start it afresh
-            # ... once no launch of it is left (an interrupted study's point may still be saving and exiting)
-            wait_until_unlocked(run_dir, LOCKED_POINT_WAIT_S)
-            shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True)
-        write_point_config(grid, config)
-        gate = study_dir / LOGS_DIR / f"{run_dir.name}.gate" if gated else None
-        return PointLaunch(point_command(grid, config), run_dir, study_dir / LOGS_DIR, gate)
-
-    ahead: PointLaunch | None = None     # the next point, launched early and waiting at its start gate
-    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)   # SIGTERM stops the point as Ctrl-C does
-    try:
-        for position, (index, config) in enumerate(todo):
-            run_dir = Path(config.out)
-            prefix = f"[{index}/{len(points)}] {grid.label(config)}"
-            current = ahead if ahead is not None else start(config, gated=False)  # ahead was launched for this one
-            ahead = None
-            hidden_s = current.open_gate()
-            if grid.settings.overlap_startup and config.offload == "none" and position + 1 < len(todo):
-                # offload points keep the host's cores to themselves (CPU Adam): nothing starts beside them
-                ahead = start(todo[position + 1][1], gated=True)
-            if not sys.stdout.isatty():
-                print(f"{prefix} ...", end="", flush=True)
-            outcome = current.wait(grid.settings.timeout_s, config.steps, prefix)
-            record = {"point_id": run_dir.name, "point": grid.point_values(config), "order": index,
-                      "status": outcome.status, "reason": outcome.reason, "returncode": outcome.returncode,
-                      "wall_s": round(outcome.wall_s, 2), "startup_ahead_s": round(hidden_s, 2),
-                      "command": current.process.args, "config": to_yaml_values(config),
-                      "study": dataclasses.asdict(grid.settings), "fingerprint": manifest["fingerprint"]}
-            run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(run_dir / POINT_FILE, record)
-            counts[outcome.status] += 1
-            counts["launched"] += 1
-            if outcome.status == "failed" and OUT_OF_SPACE.search(outcome.reason):
-                # every later point would fail the same way: stop the sweep, keep what is finished
-                raise UserError(f"{study_dir}: point {run_dir.name} failed for lack of space ({outcome.reason}); "
-                                f"free space there and run the study again (finished points are kept)")
-            ahead_note = f", {hidden_s:.0f}s of start-up ahead" if hidden_s >= 0.5 else ""
-            if outcome.status == "ok":
-                medians = summarize_metrics(read_metrics(run_dir / "metrics.jsonl"), config.steady_skip)
-                result = f"{format_rate(medians.get('tokens_per_s'))} ({outcome.wall_s:.0f}s{ahead_note})"
-            else:
-                result = f"{outcome.status.upper()}: {outcome.reason} ({outcome.wall_s:.0f}s{ahead_note})"
-            print(f"\r{prefix} ... {result}" if sys.stdout.isatty() else f" {result}", flush=True)
-    finally:     # interrupted (Ctrl-C, SIGTERM, a timeout around the study): no launch outlives the sweep
-        signal.signal(signal.SIGTERM, previous_sigterm)
-        if ahead is not None:
-            ahead.stop()
+    run_points(grid_sweep(grid, study_dir, manifest["fingerprint"]), points, retry_failed=retry_failed,
+               counts=counts)
 
     written = rebuild_report(study_dir)
     elapsed = time.monotonic() - sweep_start

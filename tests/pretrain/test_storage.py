@@ -18,6 +18,7 @@ from pipeline.synthetic_shards import write_shard_set
 from pretrain.data.dataset import ShardDataset
 from pretrain.data.loader import make_loader
 from pretrain.data.storage import cache_path_for, is_url, open_filesystem, resolve_shard_dir
+from pretrain.metrics import read_metrics
 
 BUCKET = "t5zero-test"
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -207,3 +208,33 @@ def test_remote_mode_refuses_a_cache_too_small_for_its_prefetch(s3_endpoint, rem
     _, url = remote_set
     with pytest.raises(UserError, match="raise --cache-max-gib or lower --remote-prefetch-shards"):
         ShardStreamer(url, cache_dir=tmp_path, prefetch=4, max_bytes=1000)
+
+
+def test_pretrain_remote_mode_end_to_end_from_cold_and_resumes(s3_endpoint, tiny_shards, tmp_path):
+    """`pretrain --loader remote` on the real tiny shard set uploaded to the S3 server: from a cold cache smaller
+    than the set, with the first batch's wait reported; a run stopped and resumed reads exactly the batches of a
+    whole run (the remote mode's order is shard after shard, not the shards mode's global order)."""
+    from tests.pretrain.test_trainer import ok, pretrain
+
+    url = f"s3://{BUCKET}/shards/tiny-e2e"
+    upload(tiny_shards, url)
+    manifest = json.loads((tiny_shards / "manifest.json").read_text())
+    assert len(manifest["shards"]) > 3                       # the cache below holds 3 of them
+    largest_mib = max(s["bytes"] for s in manifest["shards"]) / 2**20
+    common = ["--model", "t5-tiny", "--steps", "6", "--micro-batch", "4", "--global-batch", "8", "--seed", "0",
+              "--zero", "2", "--nproc", "1", "--loader", "remote", "--data", url, "--loader-workers", "1",
+              "--remote-prefetch-shards", "1", "--cache-max-gib", f"{3 * largest_mib / 1024:.6f}"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    ok(pretrain(*common, "--cache-dir", str(tmp_path / "cache-whole"), "--out", str(whole)))
+    records = read_metrics(whole / "metrics.jsonl")
+    assert len(records) == 6 and {r["loader"] for r in records} == {"remote"}
+    summary = json.loads((whole / "summary.json").read_text())
+    assert summary["loader"] == "remote" and summary["time_to_first_batch_s"] > 0
+    cache = tmp_path / "cache-split"
+    ok(pretrain(*common, "--cache-dir", str(cache), "--out", str(split), "--stop-after", "3"))
+    ok(pretrain(*common, "--cache-dir", str(cache), "--out", str(split), "--resume"))
+    resumed = read_metrics(split / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == list(range(1, 7))
+    assert [r["batch_checksum"] for r in resumed] == [r["batch_checksum"] for r in records]
+    cached = sum(p.stat().st_size for p in cache.rglob("*.arrow"))
+    assert cached <= 3 * largest_mib * 2**20 and not list(cache.rglob("manifest.json"))

@@ -72,6 +72,8 @@ def test_exclude_and_include_rules(tmp_path):
     ({"base": {"extra_args": ["--compile"]}}, "`compile: true` for --compile"),
     ({"base": {"out": "runs/x"}}, "unknown base settings ['out']"),
     ({"base": {"zero": 2}, "grid": {"zero": [0, 1]}}, "['zero'] in both base and grid"),
+    ({"repeats": 0}, "repeats must be a count >= 1 or {times: 3, where:"),
+    ({"repeats": {"times": 3, "where": [{"stage": 2}]}}, "repeats.where entry {'stage': 2} names unknown axes"),
 ])
 def test_bad_grid_files_name_the_file_and_the_fix(tmp_path, sections, message):
     path = write_grid(tmp_path / "bad.yaml", **sections)
@@ -225,29 +227,42 @@ def test_the_cpu_demo_grid_end_to_end(tmp_path):
 
 def test_any_pretrain_setting_is_an_axis_and_a_column(tiny_shards, tmp_path):
     """lr is named nowhere in the study's code: a TrainConfig field is an axis, a point-id suffix, a point.yaml
-    key the launch reads, and a results.csv column, with no edit to the study."""
+    key the launch reads, and a results.csv column, with no edit to the study. A repeated point runs again
+    after every point ran once; results.csv keeps each run, the report one row per point with its range."""
     study_code = "\n".join(p.read_text() for p in Path(results.__file__).parent.glob("*.py"))
     assert not re.search(r"\blr\b", study_code)
     grid_path = write_grid(tmp_path / "grid.yaml", base={"steps": 3, "skip_steps": 1, "global_batch": 4},
-                           grid={"lr": [0.001, 0.002], "nproc": 1})
+                           grid={"lr": [0.001, 0.002], "nproc": 1}, repeats={"times": 2, "where": [{"lr": 0.002}]})
     grid = load_grid(grid_path)
-    ids = [grid.point_id(p) for p in grid.points()]
-    assert ids == ["t5-tiny-z2-none-mb2-w0-n1-lr0.001", "t5-tiny-z2-none-mb2-w0-n1-lr0.002"]
+    ids = [Path(p.out).name for p in grid.points()]
+    assert ids == ["t5-tiny-z2-none-mb2-w0-n1-lr0.001", "t5-tiny-z2-none-mb2-w0-n1-lr0.002",
+                   "t5-tiny-z2-none-mb2-w0-n1-lr0.002-r2"]
+    assert [grid.repeat_of(p) for p in grid.points()][1:] == [(ids[1], 1), (ids[1], 2)]
     assert grid.label(grid.points()[1]) == "t5-tiny zero=2 offload=none mb=2 w=0 n=1 lr=0.002"
 
     out = tmp_path / "study"
     result = run_cli("run", str(grid_path), "--out", str(out), "--data", str(tiny_shards))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 points: 2 ok" in result.stdout
+    assert "3 points: 3 ok" in result.stdout and "lr=0.002 (run 2) ..." in result.stdout
     with open(out / "results.csv", newline="") as f:
         reader = csv.DictReader(f)
         rows = list(reader)
-    assert reader.fieldnames[:9] == ["point_id", "model", "zero", "offload", "micro_batch", "loader_workers",
-                                     "nproc", "activation_checkpointing", "lr"]
-    assert [(r["point_id"], r["lr"], r["status"]) for r in rows] == [(ids[0], "0.001", "ok"), (ids[1], "0.002", "ok")]
-    assert [r["lr"] for r in results.read_results_csv(out / "results.csv")] == [0.001, 0.002]
-    assert "| ckpt | lr | status |" in (out / "report.md").read_text()
-    for point_id, lr in zip(ids, (0.001, 0.002)):
+    assert reader.fieldnames[:10] == ["point_id", "model", "zero", "offload", "micro_batch", "loader_workers",
+                                      "nproc", "activation_checkpointing", "lr", "repeat"]
+    assert [(r["point_id"], r["lr"], r["repeat"], r["status"]) for r in rows] == [
+        (ids[0], "0.001", "1", "ok"), (ids[1], "0.002", "1", "ok"), (ids[2], "0.002", "2", "ok")]
+    typed = results.read_results_csv(out / "results.csv")
+    assert [r["lr"] for r in typed] == [0.001, 0.002, 0.002]
+    assert all(r["forward_s"] > 0 and r["backward_s"] > 0 and r["optimizer_s"] > 0 for r in typed)
+    combined = results.combine_runs(typed)
+    assert [(r["point_id"], r["runs"]) for r in combined] == [(ids[0], "1/1"), (ids[1], "2/2")]
+    rates = sorted(r["tokens_per_s"] for r in typed[1:])
+    assert (combined[1]["tokens_per_s_min"], combined[1]["tokens_per_s_max"]) == tuple(rates)
+    assert combined[1]["tokens_per_s_spread"] >= (rates[1] - rates[0]) / combined[1]["tokens_per_s"]
+    text = (out / "report.md").read_text()
+    assert "| ckpt | lr | status |" in text and ", 2 runs)" in text
+    assert text.count("| t5-tiny | ZeRO-2 |") == 2           # one row per point, not per run
+    for point_id, lr in zip(ids, (0.001, 0.002, 0.002)):
         run_dir = out / results.RUNS_DIR / point_id
         record = json.loads((run_dir / results.POINT_FILE).read_text())
         assert record["command"][-2:] == ["--config", str(run_dir / results.POINT_CONFIG)]   # nothing else
