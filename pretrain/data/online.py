@@ -13,7 +13,9 @@ Order. Epoch e of rank r reads the units `default_rng((seed, e)).permutation(n_u
 examples in the order `default_rng((seed, e, unit_id)).permutation(rows)`; the rank's stream is those units one
 after another, epoch after epoch, cut into micro-batches (a micro-batch may span two units). Worker w of W makes
 the units at stream positions w, w + W, ... and the DataLoader hands them over round-robin, so the stream is the
-same for any number of workers (0 included). A unit is one DataLoader item: a worker sends a whole unit's examples.
+same for any number of workers (0 included). A unit is one DataLoader item: a worker sends a whole unit's examples
+(inputs and labels as two contiguous int64 tensors, which the DataLoader pins): a micro-batch inside one unit is a
+row slice of each, so the training process copies nothing on the host.
 
 Resume granularity: exact at any micro-batch. The state of a rank is (unit position in its stream, examples of
 that unit already consumed); a resumed rank makes that unit again and skips those examples. The state differs
@@ -177,7 +179,11 @@ class _UnitItems(IterableDataset):
             unit = self.source.units[index]
             rows = make_unit_rows(self.source, unit)
             rows = rows[np.random.default_rng((self.seed, epoch, unit.unit_id)).permutation(len(rows))]
-            yield position, torch.from_numpy(rows)
+            # int64 inputs and labels apart, each contiguous: the DataLoader pins them (its pin thread), and a
+            # micro-batch inside one unit is then a row slice of each, handed to the device with no host copy
+            length = self.source.input_length
+            yield (position, torch.from_numpy(np.ascontiguousarray(rows[:, :length], dtype=np.int64)),
+                   torch.from_numpy(np.ascontiguousarray(rows[:, length:], dtype=np.int64)))
 
 
 class OnlineLoader(LoaderProcesses):
@@ -209,33 +215,37 @@ class OnlineLoader(LoaderProcesses):
         self.dataloader = data_loader(_UnitItems(self.source, self.order, self.position, self.seed), batch_size=None,
                                       seed=self.seed, **self._loader_args)
         items = one_line_user_errors(iter(self.dataloader))
-        input_length, micro = self.source.input_length, self.micro_batch_size
-        rows, skip, empty_in_a_row = None, self.offset, 0
+        micro = self.micro_batch_size
+        inputs = labels = None
+        skip, empty_in_a_row = self.offset, 0
         while True:
             pieces, need = [], micro
             while need:
-                if rows is None or self.offset == len(rows):
-                    if rows is not None:
+                if inputs is None or self.offset == len(inputs):
+                    if inputs is not None:
                         self.position, self.offset = self.position + 1, 0
-                    position, rows = next(items)
+                    position, inputs, labels = next(items)
                     assert position == self.position, (position, self.position)
                     self.offset, skip = skip, 0
-                    empty_in_a_row = empty_in_a_row + 1 if len(rows) == 0 else 0
+                    empty_in_a_row = empty_in_a_row + 1 if len(inputs) == 0 else 0
                     if empty_in_a_row >= self.order.per_epoch:
                         raise UserError(f"{self.source.origin}: a whole epoch of this rank's work units gave no "
                                         f"example of {self.source.input_length} tokens; use a shorter "
                                         f"--input-length or more text")
                     continue
-                take = min(need, len(rows) - self.offset)
-                pieces.append(rows[self.offset:self.offset + take])
+                take = min(need, len(inputs) - self.offset)
+                pieces.append((inputs[self.offset:self.offset + take], labels[self.offset:self.offset + take]))
                 self.offset += take
                 need -= take
             self._mark_first_batch()
             self.consumed += micro
-            batch = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).long()
-            if self.pin_memory and torch.cuda.is_available():
-                batch = batch.pin_memory()
-            yield {"input_ids": batch[:, :input_length], "labels": batch[:, input_length:]}
+            if len(pieces) == 1:            # inside one unit: views of the (pinned) unit tensors, no copy
+                batch_inputs, batch_labels = pieces[0]
+            else:                           # across units (once per unit): joined, and pinned here
+                batch_inputs, batch_labels = (torch.cat([piece[i] for piece in pieces]) for i in (0, 1))
+                if self.pin_memory and torch.cuda.is_available():
+                    batch_inputs, batch_labels = batch_inputs.pin_memory(), batch_labels.pin_memory()
+            yield {"input_ids": batch_inputs, "labels": batch_labels}
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's position: unit `unit_position` of its stream, `example_offset` of its examples consumed."""
