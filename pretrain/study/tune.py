@@ -1,0 +1,468 @@
+"""`study tune`: the fastest `pretrain` configuration for one model, machine and global batch, found by measuring
+few candidates of a space (ZeRO stage, offload, micro batch, activation checkpointing, loader, CPU-Adam threads).
+
+    study tune --model t5-tiny --data shards/demo --nproc 1 --global-batch 16 --budget-s 600 --out tunes/tiny
+
+1. The space: axes are TrainConfig fields, by default from its value lists (narrowed by `--space FILE`, a grid
+   file, and `--set axis=v1,v2`), written as DIR/space.yaml and read by the study's own grid code.
+2. Pruning: the preflight's memory estimate, scaled by every measured peak (tune_model.Calibration).
+3. Ranking: the cost model (tune_model.CostModel), refitted after every measurement.
+4. Measuring: in rank order, short real launches through the study runner (`run_points`), successive halving.
+5. Stopping: at the budget, or once no unmeasured candidate's optimistic prediction beats the best by the noise.
+A rerun of the same command skips the finished launches and continues. docs/tune.md has the details.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.common import UserError, atomic_write_bytes, atomic_write_json
+from pipeline.shard_format import read_manifest
+from pretrain.config import STAGE3_TUNABLES, ZERO_STAGES, TrainConfig
+from pretrain.data import storage
+from pretrain.runlock import output_dir
+from pretrain.study import tune_report
+from pretrain.study.grid import AXIS_NAMES, GRID_KEYS, SKIP_STEPS_KEY, StudyGrid, as_list, load_grid
+from pretrain.study.results import result_row
+from pretrain.study.runner import Sweep, machine_info, new_counts, run_points
+from pretrain.study.tune_model import Calibration, CostModel, Shape
+
+TUNE_FILE = "tune.json"
+SPACE_FILE = "space.yaml"
+WORKER_CHOICES = (0, 1, 2, 4, 8)
+FIXED_BY_FLAGS = ("model", "nproc", "global_batch")
+
+
+@dataclass
+class TuneOptions:
+    """What `study tune` was asked (its flags)."""
+
+    out: Path
+    data: str | None = None
+    model: str | None = None
+    nproc: int | None = None
+    global_batch: int | None = None
+    space: str | None = None
+    sets: list[str] = field(default_factory=list)
+    budget_s: float | None = None
+    rung_steps: tuple[int, ...] = (6, 12)
+    skip_steps: int = 2
+    keep: float = 0.34
+    min_measured: int = 3
+    model_margin: float = 0.15
+    noise_floor: float = 0.02
+    memory_margin: float = 0.1
+    device_memory_gib: float | None = None
+    calibrate_from: list[str] = field(default_factory=list)
+    best_steps: int = 100
+    dry_run: bool = False
+    write_grid: str | None = None
+    argv: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Candidate:
+    """One point of the space: its settings (out = DIR/runs/<id>), what the models say of it, what was measured."""
+
+    config: TrainConfig
+    point_id: str
+    default: bool
+    estimate_gib: float = 0.0
+    calibrated_gib: float = 0.0
+    memory: str = "fits"              # fits | near (measured, not pruned) | pruned
+    why: str = ""
+    predicted: dict[str, float] = field(default_factory=dict)
+    results: dict[int, dict[str, Any]] = field(default_factory=dict)     # rung index -> result row
+
+    def best_result(self) -> tuple[int, dict[str, Any]] | None:
+        """(rung, row) of its highest rung measured ok."""
+        ok = [(rung, row) for rung, row in self.results.items() if row["status"] == "ok" and row.get("tokens_per_s")]
+        return max(ok, key=lambda item: item[0]) if ok else None
+
+
+# ------------------------------------------------------------------------------------------------ the space
+
+def _parse_set(text: str) -> tuple[str, list[Any]]:
+    """--set micro_batch=8,16 -> ("micro_batch", [8, 16]); values read as YAML (null, true, 8)."""
+    axis, sep, values = text.partition("=")
+    axis = axis.strip().replace("-", "_")
+    if not sep or not values:
+        raise UserError(f"--set {text}: write --set AXIS=V1,V2 (e.g. --set zero=2,3)")
+    if axis not in AXIS_NAMES:
+        raise UserError(f"--set {text}: no such setting {axis!r}; an axis is any pretrain setting (`pretrain --help`)")
+    return axis, [yaml.safe_load(v) for v in values.split(",")]
+
+
+def default_axes(per_rank_examples: int, cores_per_rank: int) -> dict[str, list[Any]]:
+    """The whole space by default (every pretrain value list the tune searches, bounded by the host)."""
+    threads = sorted({max(1, cores_per_rank // 2), cores_per_rank})
+    return {"zero": list(ZERO_STAGES), "offload": ["none", "cpu"],
+            "micro_batch": [2 ** k for k in range(12) if per_rank_examples % 2 ** k == 0],
+            "activation_checkpointing": [False, True],
+            "loader_workers": [w for w in WORKER_CHOICES if w <= max(1, cores_per_rank - 1)],
+            "loader": ["shards"], "omp_num_threads": [None, *threads]}
+
+
+def _rules(axes: dict[str, list[Any]], base: dict[str, Any]) -> list[dict[str, Any]]:
+    """Exclude rules for what pretrain refuses (offload at stage 0, nvme below 3, stage-3 tunables elsewhere) and
+    the tune's own policy (CPU-Adam threads only where there is CPU-Adam, i.e. offload). An axis whose setting
+    applies nowhere in the space (threads without offload, tunables without stage 3) is left at its default."""
+    defaults = TrainConfig(data="-", out="-")
+    zeros = axes.get("zero") or [base.get("zero", defaults.zero)]
+    offloads = axes.get("offload") or [base.get("offload", defaults.offload)]
+    rules = []
+    if 0 in zeros and any(o != "none" for o in offloads):
+        rules.append({"zero": 0, "offload": [o for o in offloads if o != "none"]})
+    if "nvme" in offloads and any(z != 3 for z in zeros):
+        rules.append({"zero": [z for z in zeros if z != 3], "offload": "nvme"})
+    conditional = [("omp_num_threads", {"offload": "none"}, any(o != "none" for o in offloads)),
+                   *((name, {"zero": [z for z in ZERO_STAGES if z != 3]}, 3 in zeros) for name in STAGE3_TUNABLES)]
+    for axis, where_not, applies in conditional:
+        if axis not in axes or all(v is None for v in axes[axis]):
+            continue
+        if not applies:
+            axes[axis] = [None]
+            continue
+        axes[axis] = list(dict.fromkeys([None, *axes[axis]]))
+        rules.append({**where_not, axis: [v for v in axes[axis] if v is not None]})
+    return rules
+
+
+def space_grid(options: TuneOptions, cores: int, steps: int) -> dict[str, Any]:
+    """The tune's space as a study grid file's content (`load_grid` reads it; `study run` runs it as a grid)."""
+    raw: dict[str, Any] = {}
+    if options.space:
+        path = Path(options.space)
+        if not path.is_file():
+            raise UserError(f"{path}: no such --space file; see configs/tune/ for examples")
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict) or set(raw) - set(GRID_KEYS):
+            raise UserError(f"{path}: a space file is a grid file (keys {sorted(GRID_KEYS)}); see configs/tune/")
+    base, grid_axes = dict(raw.get("base") or {}), dict(raw.get("grid") or {})
+    for name in FIXED_BY_FLAGS:
+        value = getattr(options, name)
+        if value is not None:
+            base[name] = value
+            grid_axes.pop(name, None)
+        if name not in base:
+            raise UserError(f"--{name.replace('_', '-')} is required (or base.{name} in the --space file)")
+    nproc, global_batch = int(base["nproc"]), int(base["global_batch"])
+    if global_batch % nproc:
+        raise UserError(f"--global-batch {global_batch} is not a multiple of --nproc {nproc}; pick one that is")
+    axes = default_axes(global_batch // nproc, max(1, cores // nproc))
+    axes.update({axis: as_list(values) for axis, values in grid_axes.items()})
+    for axis, values in map(_parse_set, options.sets):
+        axes[axis] = values
+        base.pop(axis, None)
+    axes = {axis: values for axis, values in axes.items() if axis not in base}
+    exclude = [*(raw.get("exclude") or []), *_rules(axes, base)]
+    for axis in [a for a, values in axes.items() if len(values) == 1]:   # one value: a shared setting, not an axis
+        base[axis] = axes.pop(axis)[0]
+    defaults = TrainConfig(data="-", out="-")
+    default = {axis: getattr(defaults, axis) for axis in axes}
+    if "micro_batch" in default and (global_batch // nproc) % default["micro_batch"]:
+        default["micro_batch"] = max(m for m in axes["micro_batch"] if m <= defaults.micro_batch)
+    base.update(steps=steps, **{SKIP_STEPS_KEY: options.skip_steps})
+    base.pop("steady_skip", None)
+    grid = {"name": raw.get("name") or f"tune-{base['model']}", "data": options.data or raw.get("data"),
+            "base": base, "grid": axes, "exclude": exclude, "include": [default, *(raw.get("include") or [])]}
+    if raw.get("pretrain_command"):
+        grid["pretrain_command"] = raw["pretrain_command"]
+    return grid
+
+
+def write_space(grid: dict[str, Any], path: Path, header: str) -> StudyGrid:
+    atomic_write_bytes(path, (header + yaml.safe_dump(grid, sort_keys=False)).encode())
+    return load_grid(path)
+
+
+# ------------------------------------------------------------------------------------------------ the machine
+
+def device_info(options: TuneOptions, base: dict[str, Any]) -> dict[str, Any]:
+    """The device a rank trains on (a GPU from nvidia-smi, else the CPU with its share of host RAM) and the
+    memory capacity pruning compares against (`--device-memory-gib` states it)."""
+    machine = machine_info()
+    precision = base.get("precision", "auto")
+    nproc = int(base["nproc"])
+    if machine["gpus"]:
+        name, _, memory = machine["gpus"][0].partition(",")
+        per_device = float(memory.strip().split()[0]) / 1024
+        device = {"kind": "cuda", "name": name.strip(), "per_device_gib": round(per_device, 1),
+                  "precision": "bf16" if precision == "auto" else precision}
+    else:
+        per_device = machine["ram_gib"] / nproc
+        device = {"kind": "cpu", "name": "cpu", "per_device_gib": round(per_device, 1),
+                  "precision": "fp32" if precision == "auto" else precision}
+    device.update(host_ram_gib=machine["ram_gib"], cpus=machine["cpus"],
+                  capacity_gib=options.device_memory_gib or device["per_device_gib"])
+    return device
+
+
+def model_arithmetic(grid: StudyGrid, shards: str, configs: list[TrainConfig],
+                     device: dict[str, Any]) -> tuple[Shape, list[float], dict[str, Any]]:
+    """The run's Shape, each config's memory figure (see device_figure) and the shard set's manifest; the model
+    arithmetic runs in a child process (pretrain.study.tune_estimate), which imports torch and DeepSpeed."""
+    manifest = read_manifest(storage.resolve_shard_dir(shards))
+    base, lengths = grid.base, manifest["config"]
+    nproc, global_batch = int(base["nproc"]), int(base["global_batch"])
+    keys = ("zero", "offload", "micro_batch", "activation_checkpointing")
+    request = {"model": base["model"], "model_overrides": base.get("model_overrides", {}),
+               "vocab_size": base.get("vocab_size"), "tokenizer_vocab": int(manifest["tokenizer"]["vocab_size"]),
+               "input_length": int(lengths["input_length"]), "target_length": int(lengths["target_length"]),
+               "nproc": nproc, "per_rank_examples": global_batch // nproc, "precision": device["precision"],
+               "fused_attention": device["kind"] == "cuda",
+               "candidates": [{key: getattr(config, key) for key in keys} for config in configs]}
+    done = subprocess.run([sys.executable, "-m", "pretrain.study.tune_estimate"], input=json.dumps(request),
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        why = ([line for line in done.stderr.splitlines() if line.strip()] or ["no output"])[-1]
+        raise UserError(f"{grid.source}: the memory estimate failed: {why.removeprefix('tune_estimate.py: error: ')}")
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    shape = Shape(parameters=answer["parameters"], flops_per_rank_step=answer["flops_per_rank_step"],
+                  examples_per_rank_step=global_batch // nproc,
+                  tokens_per_step=global_batch * (int(lengths["input_length"]) + int(lengths["target_length"])),
+                  host_cores_per_rank=max(1, (device["cpus"] or 1) // nproc))
+    device["fit_fraction"] = answer["fit_fraction"]      # the share of a device the preflight lets a run use
+    figures = [device_figure(e["per_gpu_gib"], e["per_cpu_gib"], nproc, device) for e in answer["estimates"]]
+    return shape, figures, manifest
+
+
+def device_figure(per_gpu: float, per_cpu: float, nproc: int, device: dict[str, Any]) -> float:
+    """What pruning compares to the capacity: the estimate per GPU, or on CPU per rank (its device states and
+    activations plus its share of the host states)."""
+    return per_gpu if device["kind"] == "cuda" else per_gpu + per_cpu / nproc
+
+
+def calibrate_from(dirs: list[str], calibration: Calibration, device: dict[str, Any]) -> None:
+    """Every measured peak of earlier studies or tunes (their runs' records and config.json estimates)."""
+    from pretrain.study.results import finished_points, read_results_csv
+
+    for study in dirs:
+        path = Path(study)
+        rows = [result_row(record, run_dir) for record, run_dir in finished_points(path)]
+        if not rows and (path / "results.csv").is_file():
+            rows = read_results_csv(path / "results.csv")
+        if not rows:
+            raise UserError(f"{path}: --calibrate-from needs a study or tune directory with finished runs or a "
+                            f"results.csv")
+        # the figure the peaks there were measured against: per GPU where they ran on GPUs (a GPU study read on
+        # a CPU machine, say for a dry run), else this machine's
+        ran_on = _ran_on(path) or device
+        for row in rows:
+            if row["status"] == "ok" and row.get("est_gpu_gib") is not None:
+                calibration.observe(row["zero"], row["offload"], row.get("peak_mem_gib"),
+                                    device_figure(row["est_gpu_gib"], row.get("est_cpu_gib") or 0.0,
+                                                  int(row.get("nproc") or 1), ran_on), f"{path.name}/{row['point_id']}")
+
+
+def _ran_on(path: Path) -> dict[str, Any] | None:
+    """{"kind": "cuda" | "cpu"} of the machine a study (study.json) or tune (tune.json) directory ran on, if recorded."""
+    for name, read in (("study.json", lambda s: bool((s.get("machine") or {}).get("gpus"))),
+                       (TUNE_FILE, lambda s: (s.get("device") or {}).get("kind") == "cuda")):
+        try:
+            state = json.loads((path / name).read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        return {"kind": "cuda" if read(state) else "cpu"}
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ the search
+
+@dataclass
+class Tune:
+    """One tune's state: the space, the models, every candidate, the launches so far."""
+
+    options: TuneOptions
+    grid: StudyGrid
+    candidates: list[Candidate]
+    shape: Shape
+    device: dict[str, Any]
+    model: CostModel
+    calibration: Calibration
+    sweep: Sweep
+    state: dict[str, Any]
+    spent_s: float = 0.0
+    counts: dict[str, int] = field(default_factory=new_counts)
+    stops: list[str] = field(default_factory=list)
+
+    def refresh(self) -> None:
+        """Refit the cost model on every ok launch, then re-prune and re-predict every candidate."""
+        measured = [(c.config, row) for c in self.candidates for row in c.results.values()
+                    if row["status"] == "ok" and row.get("step_time_s")]
+        self.model.refit(measured, self.shape)
+        for c in self.candidates:
+            c.memory, c.calibrated_gib = self.calibration.verdict(c.config.zero, c.config.offload, c.estimate_gib)
+            capacity = self.calibration.capacity_gib
+            c.why = {"pruned": f"calibrated estimate {c.calibrated_gib:.3g} GiB > capacity {capacity:.3g} GiB "
+                               f"x {1 + self.calibration.margin:g}",
+                     "near": f"calibrated estimate {c.calibrated_gib:.3g} GiB is within "
+                             f"{self.calibration.margin:.0%} of the capacity {capacity:.3g} GiB: measured, not pruned",
+                     "fits": ""}[c.memory]
+            c.predicted = self.model.predict(c.config, self.shape)
+
+    def noise(self, best: Candidate) -> float:
+        spread = best.best_result()[1].get("tokens_per_s_spread") or 0.0
+        return max(self.options.noise_floor, spread)
+
+    def best(self) -> Candidate | None:
+        done = [c for c in self.candidates if c.best_result()]
+        return max(done, key=lambda c: (c.best_result()[0], c.best_result()[1]["tokens_per_s"])) if done else None
+
+    def budget_left(self) -> bool:
+        if self.options.budget_s is not None and self.spent_s >= self.options.budget_s:
+            self.stops.append(f"budget spent: {self.spent_s:.0f} s of launches >= --budget-s {self.options.budget_s:g}")
+            return False
+        return True
+
+    def measure(self, candidate: Candidate, rung: int) -> dict[str, Any]:
+        """One real launch of the candidate at a rung's steps, through the study runner (skipped when finished)."""
+        steps = self.options.rung_steps[rung]
+        force = (self.device["kind"] == "cuda" and candidate.memory != "pruned"
+                 and candidate.estimate_gib > self.device["fit_fraction"] * self.device["per_device_gib"])
+        config = candidate.config.replace(steps=steps, out=str(self.options.out / "runs" /
+                                                               f"{candidate.point_id}-s{steps}"), force=force)
+        launches = self.state.setdefault("launches", [])
+        number = len(launches) + 1
+        record = run_points(self.sweep, [config], counts=self.counts, numbering=(number, len(self.candidates)))[0]
+        row = result_row(record, Path(config.out))
+        candidate.results[rung] = row
+        self.spent_s += float(record.get("wall_s") or 0.0)
+        launches.append({"point_id": record["point_id"], "rung": rung, "status": row["status"],
+                         "wall_s": record.get("wall_s"), "tokens_per_s": row.get("tokens_per_s")})
+        if row["status"] == "ok":
+            self.calibration.observe(config.zero, config.offload, row.get("peak_mem_gib"), candidate.estimate_gib,
+                                     record["point_id"])
+        elif row["status"] == "oom":
+            self.calibration.observe_oom(config.zero, config.offload, candidate.estimate_gib, record["point_id"])
+            print(f"[tune] {record['point_id']}: out of memory; calibration raised, re-pruning", flush=True)
+        self.save()
+        return row
+
+    def first_rung(self) -> None:
+        """Rung 0 in rank order: the default first, then the best predicted, until the budget, the space or the
+        cost model says stop."""
+        while True:
+            self.refresh()
+            pending = [c for c in self.candidates if 0 not in c.results and c.memory != "pruned"]
+            if not pending:
+                self.stops.append("rung 0: every candidate that fits was measured")
+                return
+            if not self.budget_left():
+                return
+            default = [c for c in pending if c.default]
+            nxt = default[0] if default else max(pending, key=lambda c: c.predicted["tokens_per_s"])
+            best = self.best()
+            ok = sum(1 for c in self.candidates if c.results.get(0, {}).get("status") == "ok")
+            if best and not default and ok >= self.options.min_measured:
+                error = max(self.options.model_margin, self.model.residual or 0.0)
+                optimistic = nxt.predicted["tokens_per_s"] * (1 + error)
+                best_rate, noise = best.best_result()[1]["tokens_per_s"], self.noise(best)
+                if optimistic <= best_rate * (1 + noise):
+                    self.stops.append(
+                        f"rung 0: early stop after {ok} measured: the next candidate {nxt.point_id} is predicted "
+                        f"{nxt.predicted['tokens_per_s']:.0f} tok/s, at most {optimistic:.0f} with the model's "
+                        f"{error:.0%} error, which does not beat the best {best.point_id} "
+                        f"({best_rate:.0f} tok/s) by more than the noise {noise:.1%}; {len(pending)} left unmeasured")
+                    return
+            print(f"[tune] rung 0: {nxt.point_id}{' (the default)' if nxt.default else ''}, predicted "
+                  f"{nxt.predicted['tokens_per_s']:.0f} tok/s", flush=True)
+            self.measure(nxt, 0)
+
+    def later_rungs(self) -> None:
+        """Successive halving: the top `keep` share of the previous rung (at least 2, and the default) again,
+        longer."""
+        for rung in range(1, len(self.options.rung_steps)):
+            previous = sorted((c for c in self.candidates if c.results.get(rung - 1, {}).get("status") == "ok"),
+                              key=lambda c: -c.results[rung - 1]["tokens_per_s"])
+            if len(previous) < 2:
+                self.stops.append(f"rung {rung}: fewer than 2 candidates measured ok at rung {rung - 1}")
+                return
+            keep = previous[:max(2, math.ceil(self.options.keep * len(previous)))]
+            keep += [c for c in previous if c.default and c not in keep]
+            print(f"[tune] rung {rung} ({self.options.rung_steps[rung]} steps): {len(keep)} contenders", flush=True)
+            for candidate in keep:
+                if not self.budget_left():
+                    return
+                self.measure(candidate, rung)
+        if len(self.options.rung_steps) > 1:
+            self.stops.append(f"rung {len(self.options.rung_steps) - 1}: every contender measured")
+
+    def save(self) -> None:
+        self.state.update(candidates=[tune_report.candidate_summary(c) for c in self.candidates],
+                          model=self.model.explain(), calibration=self.calibration.ratios, stops=self.stops,
+                          spent_s=round(self.spent_s, 1))
+        atomic_write_json(self.options.out / TUNE_FILE, self.state)
+
+
+def open_tune(options: TuneOptions) -> Tune:
+    """Build the space, the candidates and the models; refuse a directory that holds another tune."""
+    cores = machine_info()["cpus"] or 1
+    grid_dict = space_grid(options, cores, options.rung_steps[0])
+    if not grid_dict["data"]:
+        raise UserError("--data SHARDS is required (a shard set written by `prep corpus`), or `data:` in --space")
+    if options.write_grid:
+        full = {**grid_dict, "name": f"{grid_dict['name']}-full",
+                "base": {**grid_dict["base"], "steps": options.rung_steps[-1]}}
+        write_space(full, Path(options.write_grid), f"# the full grid of `{shlex.join(options.argv)}`; "
+                                                    f"run it as: study run {options.write_grid} --out DIR\n")
+    output_dir(options.out, what="tune", flag="study tune --out")
+    text = yaml.safe_dump(grid_dict, sort_keys=False)
+    space_sha = hashlib.sha256(text.encode()).hexdigest()
+    grid = write_space(grid_dict, options.out / SPACE_FILE, f"# the space of `{shlex.join(options.argv)}`\n")
+    shards = str(grid.data)
+    device = device_info(options, grid.base)
+    configs = grid.points(shards, options.out / "runs")
+    shape, figures, manifest = model_arithmetic(grid, shards, configs, device)
+    state = {"space_sha256": space_sha, "fingerprint": manifest["fingerprint"], "commands": []}
+    path = options.out / TUNE_FILE
+    if path.is_file():
+        earlier = json.loads(path.read_text())
+        if (earlier.get("space_sha256"), earlier.get("fingerprint")) != (space_sha, manifest["fingerprint"]):
+            raise UserError(f"{path}: this directory holds a tune of another space or shard set; rerun it with "
+                            f"the same flags (see its commands) or use another --out")
+        state["commands"] = earlier.get("commands", [])
+    state["commands"].append(shlex.join(options.argv))
+    state.update(device=device, shape=dataclasses.asdict(shape), space=grid_dict, launches=[])
+    calibration = Calibration(capacity_gib=device["capacity_gib"], margin=options.memory_margin)
+    calibrate_from(options.calibrate_from, calibration, device)
+    default = grid.include[0]      # pretrain's defaults on every axis (space_grid put them first)
+    candidates = [Candidate(config=config, point_id=Path(config.out).name,
+                            default=all(getattr(config, axis) == value for axis, value in default.items()),
+                            estimate_gib=figure)
+                  for config, figure in zip(configs, figures)]
+    sweep = Sweep(study_dir=options.out, settings=grid.settings, fingerprint=manifest["fingerprint"],
+                  label=lambda c: f"{grid.label(c)} steps={c.steps}", values=grid.point_values,
+                  pretrain_command=grid.pretrain_command, header=f"study tune {options.out}")
+    return Tune(options=options, grid=grid, candidates=candidates, shape=shape, device=device,
+                model=CostModel.for_device(device), calibration=calibration, sweep=sweep, state=state)
+
+
+def run_tune(options: TuneOptions) -> Tune:
+    """The whole tune (or, with dry_run, the space pruned and ranked, nothing launched); writes DIR/tune.json,
+    tune.md, best.yaml and the plots."""
+    tune = open_tune(options)
+    if options.dry_run:
+        tune.refresh()
+        tune.stops.append("dry run: nothing launched")
+        tune.save()
+        tune_report.print_ranking(tune)
+        return tune
+    tune.first_rung()
+    if tune.best() is not None and not (tune.stops and tune.stops[-1].startswith("budget")):
+        tune.later_rungs()
+    tune.refresh()
+    tune.save()
+    tune_report.write_outputs(tune)
+    return tune

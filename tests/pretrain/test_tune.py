@@ -1,0 +1,134 @@
+"""`study tune` on CPU (t5-tiny, 1 rank, real `pretrain` launches through the study runner): pruning by the memory
+estimate, ranking and early stop, a tune killed mid-way and rerun, a budget that runs out, best.yaml run as is.
+
+    .venv/bin/python -m pytest tests/pretrain/test_tune.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from pipeline.common import REPO_ROOT
+from pretrain.study.grid import load_grid
+
+# a space the cost model can rank: the default (ZeRO 2, micro 8) against micro 16 and micro 1 (16 accumulation
+# steps) at stages 0 and 2; one 5-step rung
+SMALL_SPACE = ["--model", "t5-tiny", "--nproc", "1", "--global-batch", "16", "--set", "zero=0,2",
+               "--set", "micro_batch=1,16", "--set", "activation_checkpointing=false", "--set", "loader_workers=0",
+               "--set", "offload=none", "--rung-steps", "5", "--skip-steps", "2", "--min-measured", "2",
+               "--best-steps", "3"]
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false")
+
+
+def tune(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pretrain.study.cli", "tune", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env(), cwd=REPO_ROOT)
+
+
+def tune_state(out: Path) -> dict:
+    return json.loads((out / "tune.json").read_text())
+
+
+def test_pruning_says_why_and_never_prunes_what_fits(tiny_shards, tmp_path):
+    space = ["--model", "t5-tiny", "--nproc", "1", "--global-batch", "32", "--data", str(tiny_shards),
+             "--set", "zero=0,3", "--set", "offload=none", "--set", "loader_workers=0", "--dry-run"]
+    wide = tune(*space, "--out", str(tmp_path / "wide"), "--write-grid", str(tmp_path / "full.yaml"))
+    assert wide.returncode == 0, wide.stderr
+    estimates = sorted(c["estimate_gib"] for c in tune_state(tmp_path / "wide")["candidates"])
+    capacity = estimates[len(estimates) // 2]          # half the space is above it
+
+    narrow = tune(*space, "--out", str(tmp_path / "narrow"), "--device-memory-gib", f"{capacity:.4f}")
+    assert narrow.returncode == 0, narrow.stderr
+    candidates = tune_state(tmp_path / "narrow")["candidates"]
+    pruned = [c for c in candidates if c["memory"] == "pruned"]
+    assert pruned and len(pruned) < len(candidates)
+    for c in candidates:            # prior calibration 1.0, margin 10%: pruned only well above the capacity
+        assert (c["memory"] == "pruned") == (c["estimate_gib"] > capacity * 1.1), c
+        if c["memory"] == "pruned":
+            assert f"> capacity {capacity:.3g} GiB" in c["why"]
+            assert any(line.startswith(f"[") and f"] {c['point_id']}" in line and ": pruned;" in line
+                       for line in narrow.stdout.splitlines()), c
+        if capacity * 0.9 < c["estimate_gib"] <= capacity * 1.1:
+            assert c["memory"] == "near" and "measured, not pruned" in c["why"]
+    assert "nothing launched" in narrow.stdout and not (tmp_path / "narrow" / "runs").exists()
+
+    # --write-grid: the whole (unpruned) space as a study grid, the default among its points
+    grid = load_grid(tmp_path / "full.yaml")
+    assert len(grid.points()) == len(candidates) == 2 * 6 * 2 + 1        # zero x micro 1..32 x ckpt + the default
+    assert "t5-tiny-z2-none-mb8-w0-n1" in [grid.point_id(p) for p in grid.points()]
+
+
+def test_ranking_early_stop_and_best_yaml_runs_as_is(tiny_shards, tmp_path):
+    out = tmp_path / "tune"
+    result = tune(*SMALL_SPACE, "--data", str(tiny_shards), "--out", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    state = tune_state(out)
+    launched = [launch["point_id"] for launch in state["launches"]]
+    assert launched[0] == "t5-tiny-z2-none-mb8-w0-n1-s5"                 # the default, always measured first
+    assert not any("-mb1-" in point for point in launched), launched     # ranked last, never launched
+    assert any("early stop" in stop for stop in state["stops"]) and "early stop" in result.stdout
+    assert "the defaults" in result.stdout
+    md = (out / "tune.md").read_text()
+    for c in state["candidates"]:
+        assert f"`{c['point_id']}`" in md
+    assert (out / "tune_candidates.png").stat().st_size > 0 and (out / "tune_predicted.png").stat().st_size > 0
+
+    best = yaml.safe_load((out / "best.yaml").read_text())
+    assert best["out"] == str(out / "best-run") and best["steps"] == 3
+    run = subprocess.run([sys.executable, "-m", "pretrain.cli", "--config", str(out / "best.yaml")],
+                         capture_output=True, text=True, timeout=240, env=env(), cwd=REPO_ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads((out / "best-run" / "summary.json").read_text())["status"] == "ok"
+
+
+def test_a_killed_tune_rerun_finishes_without_redoing_launches(tiny_shards, tmp_path):
+    out = tmp_path / "tune"
+    command = [sys.executable, "-m", "pretrain.study.cli", "tune", *SMALL_SPACE, "--data", str(tiny_shards),
+               "--out", str(out)]
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=REPO_ROOT)
+    first_record = out / "runs" / "t5-tiny-z2-none-mb8-w0-n1-s5" / "study_point.json"
+    deadline = time.monotonic() + 180
+    while not (first_record.is_file() and len(list((out / "runs").iterdir())) >= 2):   # the second launch began
+        assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
+        time.sleep(0.2)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    finished_at = first_record.stat().st_mtime
+
+    rerun = tune(*SMALL_SPACE, "--data", str(tiny_shards), "--out", str(out))
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert "skipped (ok earlier)" in rerun.stdout and first_record.stat().st_mtime == finished_at
+    state = tune_state(out)
+    assert len(state["commands"]) == 2 and (out / "best.yaml").is_file()
+    assert any("early stop" in stop or "every candidate" in stop for stop in state["stops"])
+
+
+def test_a_budget_that_runs_out_stops_with_that_reason(tiny_shards, tmp_path):
+    out = tmp_path / "tune"
+    result = tune(*SMALL_SPACE, "--data", str(tiny_shards), "--out", str(out), "--budget-s", "1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    state = tune_state(out)
+    assert [launch["point_id"] for launch in state["launches"]] == ["t5-tiny-z2-none-mb8-w0-n1-s5"]
+    assert state["stops"][-1].startswith("budget spent") and "budget spent" in (out / "tune.md").read_text()
+
+
+def test_user_mistakes_are_one_line(tiny_shards, tmp_path):
+    bad_set = tune("--model", "t5-tiny", "--nproc", "1", "--global-batch", "8", "--data", str(tiny_shards),
+                   "--out", str(tmp_path / "a"), "--set", "stage=1", "--dry-run")
+    assert bad_set.returncode == 2 and "--set stage=1: no such setting 'stage'" in bad_set.stderr
+    assert "Traceback" not in bad_set.stderr
+    no_batch = tune("--model", "t5-tiny", "--nproc", "1", "--data", str(tiny_shards), "--out", str(tmp_path / "b"))
+    assert no_batch.returncode == 2 and "--global-batch is required" in no_batch.stderr
