@@ -33,14 +33,18 @@ from pretrain.metrics import PEAK_TFLOPS
 
 TERMS = ("flops", "micro_batches", "stage12", "stage3", "host_adam", "offload_transfer", "per_step")
 """The compute terms of the cost model, in the order of their weights."""
-GPU_PRIORS = {"rate_share": 0.35, "micro_s": 6e-3, "stage12_s": 3e-3, "stage12_param_s": 1e-11, "stage3_s": 5e-3,
-              "stage3_param_s": 4e-11, "adam_s": 1e-8, "transfer_s": 4e-10, "step_s": 5e-3}
+GPU_PRIORS = {"rate_share": 0.30, "micro_s": 6e-3, "stage12_s": 3e-3, "stage12_param_s": 3e-11, "stage3_s": 5e-3,
+              "stage3_param_s": 6e-11, "adam_s": 6.5e-9, "transfer_s": 2.5e-10, "step_s": 5e-3}
+"""From the one-H200 study (docs/study/h200/, compiled, bf16, one rank): ZeRO 0 at 26-28% of the datasheet peak
+with 2 micro batches; ZeRO 2 0.007-0.085 s over ZeRO 0 per step (mt5-base, mt5-large); ZeRO 3 0.013-0.12 s more
+per micro batch; CPU-Adam 6.3e-9 CPU-seconds per parameter (7.6 s per step for mt5-large's 1.2B) and ~0.3 s of
+offload traffic per step for 1.2B parameters."""
 CPU_PRIORS = {"rate_flops": 2e10, "micro_s": 3e-2, "stage12_s": 0.1, "stage12_param_s": 5e-9, "stage3_s": 0.05,
               "stage3_param_s": 2e-8, "adam_s": 1e-8, "transfer_s": 1e-9, "step_s": 5e-2}
 """Prior coefficients: share of the datasheet peak reached (GPU) or FLOP/s per rank (CPU); seconds per micro
 batch; stages 1-2 per step (fixed + per parameter), stage 3 per micro batch (fixed + per parameter); per
 parameter-thread of CPU-Adam; per parameter of offload traffic; fixed seconds per step."""
-LOAD_S_PRIORS = {"shards": 2e-5, "online": 2e-3, "remote": 5e-5}
+LOAD_S_PRIORS = {"shards": 2e-5, "online": 1.5e-3, "remote": 5e-5}   # online: 1.2-1.9e-3 on the H200 host
 """Prior host CPU seconds per example a loader mode spends (mmap'd shards, text made in the worker, a stream)."""
 PRIOR_STRENGTH = 1.0       # ridge weight pulling each weight towards its prior (1), against relative errors
 
