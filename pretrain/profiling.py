@@ -8,8 +8,8 @@ The profiled steps are the last ones of the launch, so the earlier steps (and th
 profiled steps out) are not perturbed by the profiler. RUN_DIR/profile/ then holds the Chrome trace
 (trace-rank0.json.gz, open it in chrome://tracing or https://ui.perfetto.dev), ops.txt (the profiler's op tables)
 and summary.json: for the profiled window, how busy each GPU stream was (union of its kernels' intervals), how
-busy the GPU was at all, the share of each kernel family (GEMM, attention, NCCL collective, Triton / elementwise,
-copies), and how long the host thread sat in device synchronisations (cudaStreamSynchronize,
+busy the GPU was at all, the share of each kernel family (FAMILIES: GEMM, attention forward and backward, NCCL
+collectives, optimizer, loss, embedding and position-bias gradients, norms, other Triton / elementwise, copies), and how long the host thread sat in device synchronisations (cudaStreamSynchronize,
 cudaEventSynchronize, cudaDeviceSynchronize, synchronous copies) and in each of the trainer's phases (data,
 forward, backward, DeepSpeed's step: host wall time, which runs ahead of the device unless it syncs). A GPU idle
 for a large share of the window while the host is not waiting on it means the host is the bottleneck (Python,
@@ -35,14 +35,23 @@ PHASE_PREFIX = "pretrain."      # the trainer's record_function ranges: pretrain
 BLOCKING_SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
 SYNC_CALLS = BLOCKING_SYNC_CALLS + ("cudaStreamWaitEvent",)   # counted too; it only enqueues a dependency
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-FAMILIES = (   # first match wins, on the lower-cased kernel name
+FAMILIES = (   # first match wins, on the lower-cased kernel name; the step-time breakdown of docs/model.md
     ("nccl", ("nccl",)),
-    ("attention", ("fmha", "flash", "attention", "attn", "cudnn_generated_fort_native_sdpa")),
+    ("attention_bwd", ("fmha_cutlassb", "attentionbackward", "flash_bprop", "flash_bwd", "attn_bwd",
+                       "flex_attention_backward")),
+    ("attention_fwd", ("fmha", "flash", "attention", "attn", "cudnn_generated_fort_native_sdpa")),
     ("gemm", ("gemm", "nvjet", "sm90_xmma", "cutlass", "cublas", "matmul")),
     ("optimizer", ("adam", "multi_tensor")),
-    ("triton", ("triton_",)),
+    ("loss", ("logsumexp", "cross_entropy", "nll_loss", "log_softmax")),
+    ("embedding_bwd", ("embedding_dense_backward", "embedding_backward", "index_put", "scatter_add")),
+    ("norm", ("rsqrt",)),                   # RMSNorm, fused by Inductor with what surrounds it
+    ("triton", ("triton_",)),               # the rest of Inductor's fused elementwise / reduction kernels
     ("copy", ("memcpy", "memset", "copy", "cat", "fill")),
 )
+"""attention_bwd / _fwd: the fused attention kernels (with T5's position bias: memory-efficient attention, whose
+backward also writes the bias gradient); embedding_bwd: the gradients of the token embedding and of the position
+bias's bucket table (gathers turned into scatter-adds); loss is matched before it because the chunked loss's
+kernels also scatter-add. Host gaps are what the device-busy share leaves."""
 
 
 def kernel_family(name: str) -> str:

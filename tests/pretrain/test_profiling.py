@@ -30,9 +30,14 @@ def test_union_of_intervals():
 def test_kernel_families():
     assert kernel_family("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
     assert kernel_family("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT") == "gemm"
-    assert kernel_family("fmha_cutlassB_bf16_aligned_64x64_k64_sm80") == "attention"
+    assert kernel_family("fmha_cutlassB_bf16_aligned_64x64_k64_sm80") == "attention_bwd"
+    assert kernel_family("fmha_cutlassF_bf16_aligned_64x64_rf_sm80") == "attention_fwd"
+    assert kernel_family("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention_bwd"
+    assert kernel_family("triton_red_fused__to_copy_exp_logsumexp_neg_scatter_add_sub_unsqueeze_0") == "loss"
+    assert kernel_family("triton_red_fused_embedding_dense_backward_sum_3") == "embedding_bwd"
     assert kernel_family("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL") == "nccl"
-    assert kernel_family("triton_per_fused_add_mul_rsqrt_0") == "triton"
+    assert kernel_family("triton_per_fused_add_mul_rsqrt_0") == "norm"
+    assert kernel_family("triton_poi_fused__unsafe_view_cat_gelu_gelu_backward_mul_split_view_0") == "triton"
     assert kernel_family("multi_tensor_apply_kernel<AdamFunctor>") == "optimizer"
     assert kernel_family("void at::native::vectorized_elementwise_kernel") == "other"
 
