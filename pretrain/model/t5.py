@@ -180,18 +180,36 @@ class RelativePositionBias(nn.Module):
         return F.embedding(buckets, self.weight).permute(2, 0, 1).unsqueeze(0).contiguous()
 
 
+FLEX_BLOCK = 128
+"""FlexAttention runs at lengths padded up to a multiple of this (its block size): the bf16 backward with a
+score_mod and a block mask gave NaN at the decoder's 114 (PyTorch issue 153799); the keys past the true length
+are masked, the queries past it dropped."""
+
+
 class FlexBias(NamedTuple):
     """What a self-attention adds to its scores under `attention="flex"`, in the form FlexAttention reads inside
-    its kernel, so that no [batch, heads, L, L] bias (nor, in backward, its gradient) is ever materialised."""
+    its kernel, so that no [batch, heads, L, L] bias (nor, in backward, its gradient) is ever materialised.
+    Everything is at the padded length P (a multiple of FLEX_BLOCK); `length` is the true one."""
 
-    position: torch.Tensor            # [heads, L, L] fp32 position bias (batch-independent; requires grad)
-    padding: torch.Tensor | None      # [batch, L] additive key padding bias (0 or large negative); None: none
-    block_mask: BlockMask | None      # the decoder's causal mask (masked blocks are skipped); None: all keys
+    position: torch.Tensor            # [heads, P, P] fp32 position bias (batch-independent; requires grad)
+    padding: torch.Tensor | None      # [batch, P] additive key padding bias (0 or large negative); None: none
+    block_mask: BlockMask | None      # keys past `length` masked, in the decoder causal; None: all keys
+    length: int
 
 
 def causal_mask_mod(batch, head, q_idx, kv_idx):
     """FlexAttention mask_mod of the decoder's self-attention: a query sees itself and the keys before it."""
     return q_idx >= kv_idx
+
+
+def flex_mask_mod(length: int, causal: bool):
+    """The mask_mod at a padded length: keys before `length` only, and causal in the decoder."""
+    def valid_key(batch, head, q_idx, kv_idx):
+        return kv_idx < length
+
+    def valid_causal(batch, head, q_idx, kv_idx):
+        return (kv_idx < length) & (q_idx >= kv_idx)
+    return valid_causal if causal else valid_key
 
 
 EAGER_FLEX_DEVICES = {"cpu"}   # device types where an uncompiled model calls flex_attention as is (flex_self_attention)
@@ -217,14 +235,18 @@ def flex_self_attention(q, k, v, bias: FlexBias) -> torch.Tensor:
 
     bias.position must not be a view: AOTAutograd (torch 2.13, any compiled path) silently drops the gradient of
     a view captured by a score_mod (`Stack.flex_self_attention_bias` makes a fresh tensor)."""
-    position, padding = bias.position, bias.padding
+    position, padding, length = bias.position, bias.padding, bias.length
 
     def score_mod(score, batch, head, q_idx, kv_idx):
         score = score + position[head, q_idx, kv_idx]
         return score if padding is None else score + padding[batch, kv_idx]
     compile_here = not torch.compiler.is_compiling() and q.device.type not in EAGER_FLEX_DEVICES
     attend = compiled_flex_attention() if compile_here else flex_attention
-    return attend(q, k, v, score_mod=score_mod, block_mask=bias.block_mask, scale=1.0)
+    extra = position.shape[-1] - length
+    if extra:      # [B, H, L, D] -> [B, H, P, D]: zeros past the true length (masked as keys, dropped as queries)
+        q, k, v = (F.pad(t, (0, 0, 0, extra)) for t in (q, k, v))
+    out = attend(q, k, v, score_mod=score_mod, block_mask=bias.block_mask, scale=1.0)
+    return out[:, :, :length] if extra else out
 
 
 class Attention(nn.Module):
@@ -329,11 +351,18 @@ class Stack(nn.Module):
 
     def flex_self_attention_bias(self, length: int, padding_bias: torch.Tensor | None) -> FlexBias:
         """This stack's self-attention bias for `flex_self_attention` (see the class docstring)."""
-        position = self.relative_attention_bias(length, length)[0].to(torch.float32, copy=True)  # not a view
+        padded = -(-length // FLEX_BLOCK) * FLEX_BLOCK
+        extra = padded - length
+        position = self.relative_attention_bias(length, length)[0].to(torch.float32)
+        position = F.pad(position, (0, extra, 0, extra)) if extra else position.clone()   # a fresh tensor, not a view
         padding = None if padding_bias is None else padding_bias[:, 0, 0, :]
-        block_mask = (create_block_mask(causal_mask_mod, None, None, length, length, device=position.device)
-                      if self.is_decoder else None)
-        return FlexBias(position, padding, block_mask)
+        if padding is not None and extra:
+            padding = F.pad(padding, (0, extra))
+        mask_mod = flex_mask_mod(length, causal=self.is_decoder) if extra else (
+            causal_mask_mod if self.is_decoder else None)
+        block_mask = (create_block_mask(mask_mod, None, None, padded, padded, device=position.device)
+                      if mask_mod is not None else None)
+        return FlexBias(position, padding, block_mask, length)
 
     def forward(self, x, padding_bias=None, memory=None, memory_bias=None):
         if self.config.attention == "flex":
