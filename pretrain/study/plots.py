@@ -40,7 +40,8 @@ def _figure(n_panels: int, width: float = 5.0, height: float = 3.6):
     return plt, fig, flat
 
 
-def _save(plt, fig, path: Path) -> Path:
+def save_figure(plt, fig, path: Path) -> Path:
+    """Write `fig` as a PNG atomically (tight layout, 110 dpi) and close it."""
     buffer = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buffer, format="png", dpi=110)
@@ -65,7 +66,7 @@ def _per_model_figure(rows: list[dict[str, Any]], path: Path, title: str, draw) 
     if not groups:
         _no_data(axes[0])
     fig.suptitle(title)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def _stage_ticks(ax, stages: list[tuple[int, str]]) -> None:
@@ -151,7 +152,7 @@ def plot_loading(rows: list[dict[str, Any]], path: Path) -> Path:
         _no_data(axes[0][0])
         axes[0][1].set_visible(False)
     fig.suptitle("Data loading: data wait and step time vs loader workers, per loader mode and stage")
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 STEP_PARTS = (("data_wait_s", "data wait", "tab:red"), ("forward_s", "forward", "tab:blue"),
@@ -185,7 +186,7 @@ def plot_step_time(rows: list[dict[str, Any]], path: Path, extra_axes: tuple[str
     else:
         _no_data(ax)
     ax.set_title("Step time breakdown")
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def _point_label(r: dict[str, Any], extra_axes: tuple[str, ...]) -> str:
@@ -212,7 +213,7 @@ def plot_host_cpu(rows: list[dict[str, Any]], path: Path, extra_axes: tuple[str,
     else:
         _no_data(ax, "no host accounting recorded")
     ax.set_title("Host CPU by role")
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def write_plots(rows: list[dict[str, Any]], out_dir: str | os.PathLike,

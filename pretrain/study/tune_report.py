@@ -6,7 +6,6 @@ or pruned, and why), the two plots, and the progress/summary lines.
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import yaml
 from pipeline.common import atomic_write_bytes
 from pipeline.settings import to_yaml_values
 from pretrain.config import TrainConfig
+from pretrain.study.plots import save_figure
 from pretrain.study.report import format_rate
 
 BEST_FILE = "best.yaml"
@@ -140,22 +140,13 @@ def write_plots(tune) -> list[Path]:
     top = max(max(c.predicted["tokens_per_s"], c.best_result()[1]["tokens_per_s"]) for c in measured) * 1.1
     ax.plot([0, top], [0, top], color="grey", linewidth=0.8)
     ax.set(xlabel="predicted tokens/s (final model)", ylabel="measured tokens/s", title="cost model (red: default)")
-    written.append(_save(plt, fig, tune.options.out / PLOTS["predicted"]))
+    written.append(save_figure(plt, fig, tune.options.out / PLOTS["predicted"]))
     fig, ax = plt.subplots(figsize=(6, max(2.5, 0.3 * len(measured))))
     ax.barh([c.point_id for c in measured][::-1], [c.best_result()[1]["tokens_per_s"] for c in measured][::-1],
             color=["tab:red" if c.default else "tab:blue" for c in measured][::-1])
     ax.set(xlabel="tokens/s (highest rung measured)", title="measured candidates (red: default)")
-    written.append(_save(plt, fig, tune.options.out / PLOTS["candidates"]))
+    written.append(save_figure(plt, fig, tune.options.out / PLOTS["candidates"]))
     return written
-
-
-def _save(plt, fig, path: Path) -> Path:
-    buffer = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buffer, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buffer.getvalue())
-    return path
 
 
 def best_config(tune) -> TrainConfig:

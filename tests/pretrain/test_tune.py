@@ -19,9 +19,9 @@ import yaml
 from pipeline.common import REPO_ROOT
 from pretrain.study.grid import load_grid
 
-# a space the cost model can rank: the default (ZeRO 2, micro 8) against micro 16 and micro 1 (16 accumulation
+# a space the cost model can rank: the default (ZeRO 2, micro 8) against micro 16 and micro 1 (32 accumulation
 # steps) at stages 0 and 2; one 5-step rung
-SMALL_SPACE = ["--model", "t5-tiny", "--nproc", "1", "--global-batch", "16", "--set", "zero=0,2",
+SMALL_SPACE = ["--model", "t5-tiny", "--nproc", "1", "--global-batch", "32", "--set", "zero=0,2",
                "--set", "micro_batch=1,16", "--set", "activation_checkpointing=false", "--set", "loader_workers=0",
                "--set", "offload=none", "--rung-steps", "5", "--skip-steps", "2", "--min-measured", "2",
                "--best-steps", "3"]
