@@ -307,6 +307,10 @@ def _setup_section(rows: list[dict[str, Any]], setup: dict[str, Any]) -> str:
     return text
 
 
+def _workers(count: int) -> str:
+    return f"{count} worker" + ("" if count == 1 else "s")
+
+
 def _same_within_spread(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether two points' throughputs differ by less than TIE_MARGIN or either point's own step-to-step spread."""
     fast, slow = max(a["tokens_per_s"], b["tokens_per_s"]), min(a["tokens_per_s"], b["tokens_per_s"])
@@ -318,7 +322,8 @@ def loading_findings(rows: list[dict[str, Any]]) -> list[str]:
     """Per model and stage, from the host accounting (issue 16): the host cores loading keeps busy at the stage's
     consumption rate (rank 0's loader cores x ranks), what the `online` mode costs the step beside `shards` at equal
     workers (a difference inside the spread is reported as none), and the fastest loader mode + workers + threads
-    whose data wait stays under DATA_WAIT_TARGET."""
+    whose data wait stays under DATA_WAIT_TARGET (of the points the spread cannot tell from the fastest, the one
+    whose loading keeps fewest host cores busy, then the fewest workers)."""
     lines = []
     groups, several_nproc = model_groups([{"loader": "shards", **r} for r in ok_rows(rows)])  # older rows: shards
     for (model, nproc), group in groups.items():
@@ -337,17 +342,21 @@ def loading_findings(rows: list[dict[str, Any]]) -> list[str]:
                 if "shards" in modes and "online" in modes:
                     base, online = modes["shards"], modes["online"]
                     if _same_within_spread(base, online):
-                        costs.append(f"none at {workers} workers (inside the spread)")
+                        costs.append(f"none at {_workers(workers)} (inside the spread)")
                     else:
-                        costs.append(f"{online['step_time_s'] / base['step_time_s']:.2f}x the step at {workers} workers")
+                        costs.append(f"{online['step_time_s'] / base['step_time_s']:.2f}x the step at {_workers(workers)}")
             if costs:
                 parts.append("online vs shards: " + ", ".join(costs))
             quiet = [r for r in stage if r.get("data_wait_share") is not None and r["data_wait_share"] < DATA_WAIT_TARGET]
             if quiet:
-                best = max(quiet, key=lambda r: r["tokens_per_s"])
+                fastest = max(quiet, key=lambda r: r["tokens_per_s"])
+                # among those the spread cannot tell from the fastest, the one that takes least of the host
+                ties = [r for r in quiet if _same_within_spread(r, fastest)]
+                best = min(ties, key=lambda r: (r.get("loader_cores") or 0.0, r["loader_workers"]))
                 threads = best.get("omp_num_threads")
-                parts.append(f"fastest under {DATA_WAIT_TARGET:.0%} data wait: `{best.get('loader', 'shards')}`, "
-                             f"{best['loader_workers']} workers"
+                tie_note = f", the least host CPU of {len(ties)} inside the spread" if len(ties) > 1 else ""
+                parts.append(f"fastest under {DATA_WAIT_TARGET:.0%} data wait{tie_note}: `{best.get('loader', 'shards')}`, "
+                             f"{_workers(best['loader_workers'])}"
                              + (f", {threads} OpenMP threads" if threads else "")
                              + (f", cpu_affinity {best['cpu_affinity']}" if best.get("cpu_affinity") not in (None, "none") else "")
                              + f" ({format_rate(best['tokens_per_s'])})")
