@@ -11,8 +11,9 @@ with at most `workers` units in flight. Records come back in completion order; t
 An `address` is asked first, with one gRPC call of a few seconds, whether a Ray cluster answers there: Ray's own
 connect would retry for minutes and ignore SIGTERM meanwhile. A local cluster dies with the driver even when the
 driver is SIGKILLed: a small reaper process, started before the cluster, waits for the driver's end (its stdin
-pipe closes) and kills every process that carries this cluster's token in its environment (Ray's agents would
-otherwise outlive a killed driver by a minute, trying to report to the dead GCS).
+pipe closes) and kills every process that carries this cluster's token in its environment, and their descendants,
+sweeping until none is left (Ray's agents would otherwise outlive a killed driver by a minute or more, trying to
+report to the dead GCS).
 """
 
 from __future__ import annotations
@@ -31,19 +32,43 @@ from pipeline.common import UserError
 CLUSTER_TOKEN_ENV = "T5ZERO_PREP_CLUSTER"
 PROBE_TIMEOUT_S = 5.0
 # Run by the reaper (`python -c`): wait for EOF on stdin, then SIGKILL every process whose environment holds
-# T5ZERO_PREP_CLUSTER=<token> (Linux /proc; Ray's processes inherit the driver's environment).
+# T5ZERO_PREP_CLUSTER=<token> (Linux /proc; Ray's processes inherit the driver's environment) and every descendant
+# of one (a process that rewrote its environment block, as a long process title can, is still a child of the
+# raylet); sweep again until a sweep finds none, as a dying raylet may still start an agent.
 _REAPER_CODE = """
-import os, signal, sys
+import os, signal, sys, time
 sys.stdin.buffer.read()
 mark = ("%s=" % sys.argv[1]).encode() + sys.argv[2].encode() + b"\\0"
-for pid in filter(str.isdigit, os.listdir("/proc")):
-    try:
-        with open("/proc/%s/environ" % pid, "rb") as f:
-            found = mark in f.read()
-        if found and int(pid) != os.getpid():
-            os.kill(int(pid), signal.SIGKILL)
-    except OSError:
-        pass
+def ours():
+    found, parent = set(), {}
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        try:
+            with open("/proc/%d/environ" % pid, "rb") as f:
+                if mark in f.read():
+                    found.add(pid)
+            with open("/proc/%d/stat" % pid, "rb") as f:
+                parent[pid] = int(f.read().rpartition(b")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+    grown = True
+    while grown:
+        grown = False
+        for pid, ppid in parent.items():
+            if ppid in found and pid not in found:
+                found.add(pid)
+                grown = True
+    found.discard(os.getpid())
+    return found
+for sweep in range(20):
+    pids = ours()
+    if not pids:
+        break
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    time.sleep(0.25)
 """
 
 
