@@ -194,6 +194,13 @@ def read_remote_manifest(url: str, storage_options: dict[str, Any] | None = None
                         f"(AWS_ENDPOINT_URL) and credentials") from None
 
 
+def read_shard_set_manifest(location: str) -> dict[str, Any]:
+    """The checked manifest of a shard set, local or at a URL; for a URL only the manifest is read (no shard)."""
+    from pipeline.shard_format import read_manifest
+
+    return read_remote_manifest(location) if is_url(location) else read_manifest(location)
+
+
 class ShardStreamer:
     """A remote shard set read shard by shard through a bounded local cache (`pretrain --loader remote`).
 

@@ -31,7 +31,6 @@ import yaml
 
 from pipeline.common import UserError, atomic_write_bytes, atomic_write_json
 from pipeline.settings import to_yaml_values
-from pipeline.shard_format import read_manifest
 from pretrain.config import TrainConfig
 from pretrain.data import storage
 from pretrain.launch import last_error_line
@@ -481,7 +480,7 @@ def run_study(grid_path: str | os.PathLike, study_dir: str | os.PathLike, *, dat
     points = grid.points(shards, runs)
     # For a URL (s3://...) only the manifest is read here: each point's loader mode decides how the shards come
     # (`shards` copies the set into the cache once and later launches reuse it; `remote` streams it from cold).
-    manifest = storage.read_remote_manifest(shards) if storage.is_url(shards) else read_manifest(shards)
+    manifest = storage.read_shard_set_manifest(shards)
     record_study_start(grid, points, study_dir, shards, manifest,
                        argv or ["study", "run", str(grid_path), "--out", str(study_dir)])
 

@@ -28,7 +28,6 @@ from typing import Any
 import yaml
 
 from pipeline.common import UserError, atomic_write_bytes, atomic_write_json
-from pipeline.shard_format import read_manifest
 from pretrain.config import STAGE3_TUNABLES, ZERO_STAGES, TrainConfig
 from pretrain.data import storage
 from pretrain.runlock import output_dir
@@ -213,7 +212,7 @@ def model_arithmetic(grid: StudyGrid, shards: str, configs: list[TrainConfig],
                      device: dict[str, Any]) -> tuple[Shape, list[float], dict[str, Any]]:
     """The run's Shape, each config's memory figure (see device_figure) and the shard set's manifest; the model
     arithmetic runs in a child process (pretrain.study.tune_estimate), which imports torch and DeepSpeed."""
-    manifest = read_manifest(storage.resolve_shard_dir(shards))
+    manifest = storage.read_shard_set_manifest(shards)
     base, lengths = grid.base, manifest["config"]
     nproc, global_batch = int(base["nproc"]), int(base["global_batch"])
     keys = ("zero", "offload", "micro_batch", "activation_checkpointing")
