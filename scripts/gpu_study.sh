@@ -5,9 +5,12 @@
 #   ./scripts/gpu_study.sh GRID.yaml SHARDS [SECONDS]
 # runs `study run` for at most SECONDS (default 330; unfinished points are left for a rerun), rebuilds the
 # report, and puts the log and the study (study.json, runs/, logs/ as runs.tar.gz) into $OUT/GRID-NAME (or
-# ./gpu-out/GRID-NAME): two files per study, as a call brings back at most 8. Here, unpack runs.tar.gz into a
-# directory and run `study report DIR` for results.csv, report.md and the plots. The study lives in STUDY_DIR (default .gpu/studies/GRID-NAME): to go on with a grid on a
-# fresh machine, unpack the last runs.tar.gz there, here, and carry .gpu again: finished points are skipped.
+# ./gpu-out/GRID-NAME): two files per study, as a call brings back at most 8. Give the device call 90 s more than
+# SECONDS: an interrupted study stops its launches (up to 40 s), then the report and the archive are written.
+# Here, unpack runs.tar.gz into a directory and run `study report DIR` for results.csv, report.md and the plots.
+# The study lives in STUDY_DIR (default .gpu/studies/GRID-NAME). A machine kept warm between calls does NOT keep
+# it (the carried .gpu/ paths replace that folder): to go on with a grid, unpack the last runs.tar.gz into
+# .gpu/studies/GRID-NAME here and carry .gpu/studies too; finished points are skipped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 GRID=${1:?grid file}; DATA=${2:?shard set}; SECONDS_FOR_STUDY=${3:-330}
@@ -16,9 +19,12 @@ NAME=gpu_study; source scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__, "gpus", torch.cuda.device_count())' 2>&1 | grep -v WARNING
 STUDY=${STUDY_DIR:-.gpu/studies/$(basename "$GRID" .yaml)}
-timeout -s INT -k 30 "$SECONDS_FOR_STUDY" python3 -m pretrain.study.cli run "$GRID" --data "$DATA" --out "$STUDY" 2>&1 \
+finish() {   # whatever ended the study (its time, an error): the report and the archive of what is finished
+  python3 -m pretrain.study.cli report "$STUDY" 2>&1 | tee -a "$DEST/study.log"
+  tar -czf "$DEST/runs.tar.gz" -C "$STUDY" --exclude='checkpoints' --exclude='tb' --exclude='*.gate' study.json runs \
+    logs 2>/dev/null
+  ls -la "$DEST"
+}
+trap finish EXIT
+timeout -s INT -k 60 "$SECONDS_FOR_STUDY" python3 -m pretrain.study.cli run "$GRID" --data "$DATA" --out "$STUDY" 2>&1 \
   | grep -v 'real_accelerator.py' | tee "$DEST/study.log"
-python3 -m pretrain.study.cli report "$STUDY" 2>&1 | tee -a "$DEST/study.log"
-tar -czf "$DEST/runs.tar.gz" -C "$STUDY" --exclude='checkpoints' --exclude='tb' --exclude='*.gate' study.json runs logs \
-  2>/dev/null
-ls -la "$DEST"

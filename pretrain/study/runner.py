@@ -11,6 +11,7 @@ reason, command, the point's settings) is written last, which is what marks the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -240,21 +241,22 @@ def _steps_done(metrics_path: Path) -> int:
         return 0
 
 
-def _stop(process: subprocess.Popen) -> None:
-    """Stop a launched point (its own process group, by id): SIGINT first, which pretrain turns into stopping
-    the ranks it spawned (they run in their own sessions), then SIGTERM, then SIGKILL."""
-    if process.poll() is not None:
-        return
+def _stop(*processes: subprocess.Popen) -> None:
+    """Stop launched points (each its own process group, by id), all at once: SIGINT first, which pretrain turns
+    into stopping the ranks it spawned (they run in their own sessions), then SIGTERM, then SIGKILL. Together, so
+    that an interrupted study with a point running and the next one starting ahead is gone within one escalation
+    (20 + 10 + 10 s at most), not one per launch: a `timeout -k` around the study must not kill it first."""
     for sig, wait_s in ((signal.SIGINT, 20.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
+        live = [process for process in processes if process.poll() is None]
+        if not live:
             return
-        try:
-            process.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        for process in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, sig)
+        deadline = time.monotonic() + wait_s
+        for process in live:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
 
 
 class PointLaunch:
@@ -294,29 +296,30 @@ class PointLaunch:
             self.open_gate()
         live = sys.stdout.isatty()
         timed_out = False
-        try:
-            while True:
-                try:
-                    self.process.wait(timeout=2.0)
+        while True:
+            try:
+                self.process.wait(timeout=2.0)
+                break
+            except subprocess.TimeoutExpired:
+                elapsed = time.monotonic() - self.started
+                if elapsed > timeout_s:
+                    timed_out = True
+                    _stop(self.process)
                     break
-                except subprocess.TimeoutExpired:
-                    elapsed = time.monotonic() - self.started
-                    if elapsed > timeout_s:
-                        timed_out = True
-                        _stop(self.process)
-                        break
-                    if live:
-                        done = _steps_done(self.run_dir / "metrics.jsonl")
-                        print(f"\r{prefix} ... step {done}/{steps} {elapsed:.0f}s", end="", flush=True)
-        finally:
-            self.stop()
+                if live:
+                    done = _steps_done(self.run_dir / "metrics.jsonl")
+                    print(f"\r{prefix} ... step {done}/{steps} {elapsed:.0f}s", end="", flush=True)
+        self.stop()     # (interrupted, the sweep stops this launch together with the one started ahead)
         status, reason = classify(self.process.returncode, timed_out, self.err_path, self.run_dir, timeout_s)
         return PointOutcome(status, reason, self.process.returncode, time.monotonic() - self.started)
 
-    def stop(self) -> None:
-        _stop(self.process)
-        if self.gate is not None:
-            self.gate.unlink(missing_ok=True)
+    def stop(self, *others: "PointLaunch") -> None:
+        """Stop this launch and `others` together (_stop); remove their start gates."""
+        launches = (self, *others)
+        _stop(*(launch.process for launch in launches))
+        for launch in launches:
+            if launch.gate is not None:
+                launch.gate.unlink(missing_ok=True)
 
 
 
@@ -405,6 +408,7 @@ def run_points(sweep: Sweep, points: list[TrainConfig], *, retry_failed: bool = 
         return PointLaunch(sweep.command(config), run_dir, sweep.study_dir / LOGS_DIR, gate)
 
     ahead: PointLaunch | None = None     # the next point, launched early and waiting at its start gate
+    current: PointLaunch | None = None
     previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)   # SIGTERM stops the point as Ctrl-C does
     try:
         for place, (position, config) in enumerate(todo):
@@ -446,8 +450,9 @@ def run_points(sweep: Sweep, points: list[TrainConfig], *, retry_failed: bool = 
             print(f"\r{prefix} ... {result}" if sys.stdout.isatty() else f" {result}", flush=True)
     finally:     # interrupted (Ctrl-C, SIGTERM, a timeout around the study): no launch outlives the sweep
         signal.signal(signal.SIGTERM, previous_sigterm)
-        if ahead is not None:
-            ahead.stop()
+        launches = [launch for launch in (current, ahead) if launch is not None]
+        if launches:
+            launches[0].stop(*launches[1:])
     return [records[position] for position in sorted(records)]
 
 
