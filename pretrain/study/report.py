@@ -9,6 +9,7 @@ column in the results table and is named wherever a single point is described.
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
@@ -318,6 +319,36 @@ def _same_within_spread(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return (fast - slow) / fast <= margin
 
 
+def loader_cpu_per_example(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Host CPU seconds of loading per example, per loader mode: the median over the points whose measured steps
+    saw their loader work (loader cores x ranks / samples per second). A property of the mode and the data, not of
+    the stage, so it is pooled over every point of the report: online workers make a whole work unit's examples at
+    once, and a short run of a slow model can consume what they made before its measured steps (0 cores there)."""
+    costs: dict[str, list[float]] = {}
+    for row in rows:
+        cores, rate = row.get("loader_cores"), row.get("samples_per_s")
+        if cores and rate:
+            costs.setdefault(row["loader"], []).append(cores * row["nproc"] / rate)
+    return {mode: statistics.median(values) for mode, values in costs.items()}
+
+
+def _loading_cores(mode: str, items: list[dict[str, Any]], per_example_s: float | None) -> str:
+    """What loading in `mode` takes of the host at this stage: measured cores, and the cores it needs at the
+    stage's fastest consumption rate from the mode's CPU per example."""
+    rate = max(r["samples_per_s"] for r in items)
+    measured = [r["loader_cores"] * r["nproc"] for r in items if r.get("loader_cores") is not None]
+    if per_example_s is None:
+        if measured and max(measured) > 0:
+            return f"`{mode}` keeps {max(measured):.2g} host cores busy"
+        return (f"`{mode}`: no loading in the measured steps (its workers made these examples before them; more steps "
+                f"would measure its cost)" if measured else f"`{mode}`: loading CPU not recorded")
+    need = f"`{mode}` needs {per_example_s * rate:.2g} host cores at this stage's {rate:.0f} examples/s " \
+           f"({per_example_s * 1e3:.2g} ms of CPU per example)"
+    if measured and max(measured) == 0:
+        need += " (its workers made these points' examples before the measured steps: cost from the other points)"
+    return need
+
+
 def loading_findings(rows: list[dict[str, Any]]) -> list[str]:
     """Per model and stage, from the host accounting (issue 16): the host cores loading keeps busy at the stage's
     consumption rate (rank 0's loader cores x ranks), what the `online` mode costs the step beside `shards` at equal
@@ -326,15 +357,14 @@ def loading_findings(rows: list[dict[str, Any]]) -> list[str]:
     whose loading keeps fewest host cores busy, then the fewest workers)."""
     lines = []
     groups, several_nproc = model_groups([{"loader": "shards", **r} for r in ok_rows(rows)])  # older rows: shards
+    per_example = loader_cpu_per_example([{"loader": "shards", **r} for r in ok_rows(rows)])
     for (model, nproc), group in groups.items():
         for zero, offload in stage_order(group):
             stage = [r for r in group if (r["zero"], r["offload"]) == (zero, offload)]
             name = f"**{group_label(model, nproc, several_nproc)}, {stage_label(zero, offload)}**"
             parts = []
             for (mode,), items in sorted(group_by(stage, "loader").items(), key=lambda kv: str(kv[0])):
-                cores = [r["loader_cores"] * r["nproc"] for r in items if r.get("loader_cores") is not None]
-                if cores:
-                    parts.append(f"`{mode}` keeps {max(cores):.2g} host core(s) busy loading")
+                parts.append(_loading_cores(mode, items, per_example.get(mode)))
             costs = []
             by_workers = group_by(stage, "loader_workers")
             for (workers,), items in sorted(by_workers.items()):
@@ -385,8 +415,10 @@ def render_markdown(rows: list[dict[str, Any]], setup: dict[str, Any], plots: di
         + "\n".join(fastest_that_fits(rows, extra_axes))
         + f"\n\n### Fewest loader workers that keep data wait under {DATA_WAIT_TARGET:.0%}\n\n"
         + "\n".join(fewest_workers(rows) or ["- No point finished; the data can't tell."])
-        + "\n\n### Data loading and host CPU\n\nCores are rank 0's loader CPU over step time times the ranks "
-        "(pretrain.hostcpu); `online` tokenises and span-corrupts in the loader workers, `shards` reads mmap'd shards.\n\n"
+        + "\n\n### Data loading and host CPU\n\nA loader mode's CPU per example is the median over this report's "
+        "points of that mode of loader CPU / examples consumed (rank 0's loader cores x ranks / samples per second, "
+        "pretrain.hostcpu); the cores a stage needs are that times the stage's fastest rate. `online` tokenises and "
+        "span-corrupts in the loader workers, `shards` reads mmap'd shards.\n\n"
         + "\n".join(loading_findings(rows) or ["- No point recorded host accounting."])
         + "\n\n### How far the memory estimate can be trusted\n\nThe estimate counts what pretrain's method "
         "names (see Setup); a measured peak above it is what that method leaves out (allocator cache, "

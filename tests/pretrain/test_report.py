@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,26 @@ def test_fewest_workers_and_when_the_data_cannot_tell(rows):
     failed = [dict(r, status="oom") for r in rows if r["model"] == "mt5-large"]
     assert "no configuration finished" in report.fastest_that_fits(failed)[0]
     assert report.fewest_workers(failed) == []
+
+
+def test_loading_cores_come_from_the_cpu_cost_per_example_pooled_over_the_points(rows):
+    """Online workers make a whole unit's examples at once: a slow point can consume, in its measured steps, what
+    they made before them (0 loader cores there). Its stage's need is then the mode's CPU per example, measured at
+    the other points, times its rate."""
+    ok = [r for r in rows if r["model"] == "mt5-base" and r["status"] == "ok" and r["zero"] in (0, 2)]
+    fast = [dict(r, loader="online", loader_cores=0.6 if r["zero"] == 0 else 0.0, loader_workers=1) for r in ok]
+    assert all(r["nproc"] == 2 for r in fast)
+    per_example = report.loader_cpu_per_example(fast)
+    zero0 = [r for r in fast if r["zero"] == 0]
+    assert zero0 and per_example["online"] == pytest.approx(statistics.median(0.6 * 2 / r["samples_per_s"] for r in zero0))
+    lines = report.loading_findings(fast)
+    zero2 = next(line for line in lines if "ZeRO-2**" in line)
+    rate = max(r["samples_per_s"] for r in fast if r["zero"] == 2)
+    assert f"`online` needs {per_example['online'] * rate:.2g} host cores at this stage's {rate:.0f} examples/s" in zero2
+    assert "before the measured steps" in zero2
+    # nothing measured anywhere: says so rather than reporting 0 cores
+    idle = report.loading_findings([dict(r, loader_cores=0.0) for r in fast])
+    assert all("no loading in the measured steps" in line and "needs" not in line for line in idle)
 
 
 def test_estimate_accuracy_per_stage(rows):
