@@ -340,8 +340,9 @@ def _loading_cores(mode: str, items: list[dict[str, Any]], per_example_s: float 
     if per_example_s is None:
         if measured and max(measured) > 0:
             return f"`{mode}` keeps {max(measured):.2g} host cores busy"
-        return (f"`{mode}`: no loading in the measured steps (its workers made these examples before them; more steps "
-                f"would measure its cost)" if measured else f"`{mode}`: loading CPU not recorded")
+        return (f"`{mode}`: no loader CPU in the measured steps (under the OS's 10 ms ticks, or the workers made "
+                f"these examples before them; more steps would measure it)" if measured
+                else f"`{mode}`: loading CPU not recorded")
     need = f"`{mode}` needs {per_example_s * rate:.2g} host cores at this stage's {rate:.0f} examples/s " \
            f"({per_example_s * 1e3:.2g} ms of CPU per example)"
     if measured and max(measured) == 0:

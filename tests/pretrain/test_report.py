@@ -116,7 +116,7 @@ def test_loading_cores_come_from_the_cpu_cost_per_example_pooled_over_the_points
     assert "before the measured steps" in zero2
     # nothing measured anywhere: says so rather than reporting 0 cores
     idle = report.loading_findings([dict(r, loader_cores=0.0) for r in fast])
-    assert all("no loading in the measured steps" in line and "needs" not in line for line in idle)
+    assert all("no loader CPU in the measured steps" in line and "needs" not in line for line in idle)
 
 
 def test_estimate_accuracy_per_stage(rows):
