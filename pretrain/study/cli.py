@@ -64,7 +64,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                           min_measured=args.min_measured, model_margin=args.model_margin,
                           device_memory_gib=args.device_memory_gib, calibrate_from=args.calibrate_from,
                           best_steps=args.best_steps, dry_run=args.dry_run, write_grid=args.write_grid,
-                          argv=["study", *map(str, sys.argv[1:])])
+                          compare_grid=args.compare_grid, argv=["study", *map(str, sys.argv[1:])])
     tune = run_tune(options)
     if args.write_grid:
         print(f"full grid: {args.write_grid} (run it as: study run {args.write_grid} --out DIR)")
@@ -82,6 +82,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
           f"{'%.2fx' % ratio if ratio else 'n/a'} the defaults ({basis}); {len(tune.state['launches'])} launches, "
           f"{tune.spent_s:.0f} s\nbest:   {args.out}/best.yaml (pretrain --config {args.out}/best.yaml)\n"
           f"report: {args.out}/tune.md")
+    against = tune.state.get("against_grid")
+    if against:
+        chosen = against["tune_best"] or {}
+        print(f"against the grid {against['study_dir']}: its best {against['grid_best']['point_id']} "
+              f"{against['grid_best']['tokens_per_s']:.0f} tok/s; the tune's best "
+              + (f"{against['gap']:.1%} below it there" if against["gap"] is not None
+                 else f"not a point of it ({chosen.get('point_id')})")
+              + f"; {against['tune_device_s']:.0f} s against {against['grid_device_s']:.0f} s of launches "
+              f"({against['time_share']:.0%}); goal {'met' if against['goal_met'] else 'not met'}")
     return 0
 
 
@@ -126,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="study or tune directories whose measured peaks calibrate the memory estimate")
     tune.add_argument("--best-steps", type=int, default=100, help="steps best.yaml sets for the real run (default 100)")
     tune.add_argument("--write-grid", metavar="FILE", help="also write the whole space as a study grid file")
+    tune.add_argument("--compare-grid", metavar="STUDY_DIR",
+                      help="a full grid over the same space, measured (study run of --write-grid's file): tune.md "
+                           "compares the best found and the device time against it")
     tune.add_argument("--dry-run", action="store_true", help="enumerate, prune, rank and print; launch nothing")
     tune.set_defaults(handler=cmd_tune)
     return parser

@@ -14,6 +14,7 @@ import yaml
 from pipeline.common import atomic_write_bytes
 from pipeline.settings import to_yaml_values
 from pretrain.config import TrainConfig
+from pretrain.study import tune_compare
 from pretrain.study.plots import save_figure
 from pretrain.study.report import format_rate
 
@@ -119,6 +120,8 @@ def render_markdown(tune) -> str:
                      f"{_cell(row.get('tokens_per_s_spread'), '.1%')} | {_cell(row.get('step_time_s'), '.3f')} | "
                      f"{_cell(row.get('data_wait_s'), '.4f')} | {_cell(row.get('peak_mem_gib'), '.2f')} | "
                      f"{c.estimate_gib:.2f} ({c.calibrated_gib:.2f}) | {c.memory}{': ' + c.why if c.why else ''} |")
+    if tune.state.get("against_grid"):
+        lines += tune_compare.render(tune.state["against_grid"])
     return "\n".join(lines) + "\n"
 
 

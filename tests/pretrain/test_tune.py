@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from pipeline.common import REPO_ROOT
@@ -132,3 +133,45 @@ def test_user_mistakes_are_one_line(tiny_shards, tmp_path):
     assert "Traceback" not in bad_set.stderr
     no_batch = tune("--model", "t5-tiny", "--nproc", "1", "--data", str(tiny_shards), "--out", str(tmp_path / "b"))
     assert no_batch.returncode == 2 and "--global-batch is required" in no_batch.stderr
+
+
+def test_compare_grid_judges_the_best_found_against_a_full_grid_of_the_same_space(tiny_shards, tmp_path):
+    """A study grid file is a tune space as is; --compare-grid reads the grid's measurements and says how far the
+    tune's best is from the grid's best (by the grid's own figure for it) and what share of the grid's time the
+    tune took."""
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(yaml.safe_dump({"name": "cmp", "base": {"steps": 5, "skip_steps": 2, "global_batch": 32},
+                                    "grid": {"model": "t5-tiny", "nproc": 1, "zero": [0, 2], "offload": "none",
+                                             "micro_batch": 8, "loader_workers": 0,
+                                             "activation_checkpointing": False}}))
+    study = tmp_path / "study"
+    ran = subprocess.run([sys.executable, "-m", "pretrain.study.cli", "run", str(grid), "--data", str(tiny_shards),
+                          "--out", str(study)], capture_output=True, text=True, timeout=300, env=env(), cwd=REPO_ROOT)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+
+    missing = tune("--space", str(grid), "--data", str(tiny_shards), "--out", str(tmp_path / "none"),
+                   "--compare-grid", str(tmp_path / "nothing"))
+    assert missing.returncode == 2 and "--compare-grid" in missing.stderr and "Traceback" not in missing.stderr
+    assert not (tmp_path / "none").exists()
+
+    out = tmp_path / "tune"
+    result = tune("--space", str(grid), "--data", str(tiny_shards), "--out", str(out), "--rung-steps", "5",
+                  "--skip-steps", "2", "--min-measured", "1", "--compare-grid", str(study))
+    assert result.returncode == 0, result.stdout + result.stderr
+    state = tune_state(out)
+    against = state["against_grid"]
+    assert (against["grid_points"], against["grid_ok"]) == (2, 2)
+    assert against["grid_points_not_in_tune"] == [] and against["tune_candidates_not_in_grid"] == []
+    records = [json.loads(p.read_text()) for p in (study / "runs").glob("*/study_point.json")]
+    assert against["grid_device_s"] == pytest.approx(sum(r["wall_s"] for r in records), abs=0.2)
+    assert against["tune_device_s"] == pytest.approx(state["spent_s"], abs=0.2)
+    assert against["time_share"] == pytest.approx(against["tune_device_s"] / against["grid_device_s"], rel=0.01)
+    grid_points = {p.name for p in (study / "runs").iterdir()}
+    best = against["grid_best"]
+    chosen = against["tune_best"]
+    assert best["point_id"] in grid_points and chosen["in_grid"] in grid_points
+    assert chosen["point_id"].startswith(chosen["in_grid"])           # the same settings, a rung suffix
+    assert against["gap"] == pytest.approx(1 - chosen["tokens_per_s_grid"] / best["tokens_per_s"], abs=1e-4)
+    assert against["goal_met"] == (against["gap"] <= 0.03 and against["time_share"] <= 0.25)
+    assert "## Against the full grid" in (out / "tune.md").read_text()
+    assert "against the grid" in result.stdout and ("goal met" in result.stdout or "goal not met" in result.stdout)
