@@ -19,7 +19,9 @@ loss of each variant per window of `--window` steps, each variant's last window 
 or `pretrain` eager with --pretrain) in %, the per-window max |difference| to the reference, and the noise
 reference: the spread of HF compiled against HF eager (the same math, another kernel order), per-window max
 |diff| over all windows and seeds. A variant whose gap to the reference exceeds that spread systematically (the
-same sign in every window) trains differently. `--device cpu --model t5-tiny --steps 20 --window 5` is a smoke test.
+same sign in every window) trains differently. `--device cpu --model t5-tiny --steps 20 --window 5` is a smoke test. `--jobs N` runs N of the (seed, variant) runs at
+once, each its own process on the same device (the same weights and batches as alone; kernels are chosen per
+process, not by load): on an H200 the eager variants leave most of the GPU idle (HF eager runs at ~15% MFU).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pretrain.data.dataset import ShardDataset  # noqa: E402
 from pretrain.data.sampler import GlobalOrderSampler  # noqa: E402
-from pretrain.model.t5 import T5Model, build  # noqa: E402
+from pretrain.model.t5 import T5Model, build, resolve_config  # noqa: E402
+from pretrain.preflight import resolve_vocab_size  # noqa: E402
 from pretrain.trainer import LRSchedule  # noqa: E402
 
 VARIANTS = ("ours", "ours-compile", "hf", "hf-compile")
@@ -121,6 +124,36 @@ def run_pretrain(variant: str, seed: int, args) -> dict:
             "seconds": time.perf_counter() - start}
 
 
+def run_pool(runs: list[tuple[int, str]], args, report) -> dict[int, dict]:
+    """Each (seed, variant) as its own process of this script (`--result FILE`), args.jobs at a time; a failed run
+    stops the benchmark with its log's tail."""
+    from concurrent.futures import ThreadPoolExecutor
+    pool_dir = Path(args.out) / "runs"
+    pool_dir.mkdir(parents=True, exist_ok=True)
+    forwarded = ["--data", args.data, "--model", args.model, "--steps", str(args.steps), "--batch", str(args.batch),
+                 "--lr", str(args.lr), "--warmup", str(args.warmup), "--clip", str(args.clip), "--window",
+                 str(args.window), "--device", args.device, "--precision", args.precision, "--out", args.out]
+
+    def one(run: tuple[int, str]) -> tuple[int, str, dict]:
+        seed, variant = run
+        result, log = pool_dir / f"{variant}-seed{seed}.json", pool_dir / f"{variant}-seed{seed}.log"
+        command = [sys.executable, __file__, *forwarded, "--seeds", str(seed), "--result", str(result)]
+        command += [*(["--pretrain"] if args.pretrain else []), "--variants", variant]
+        with open(log, "w") as output:
+            code = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT).returncode
+        if code != 0:
+            raise SystemExit(f"bench_parity: seed {seed} {variant} failed (exit {code}):\n"
+                             + "\n".join(log.read_text().splitlines()[-20:]))
+        return seed, variant, json.loads(result.read_text())
+
+    results: dict[int, dict] = {seed: {} for seed, _ in runs}
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for seed, variant, result in pool.map(one, runs):
+            results[seed][variant] = result
+            report(seed, variant, result)
+    return results
+
+
 def window_means(losses: list[float], window: int) -> list[float]:
     return [float(np.mean(losses[i:i + window])) for i in range(0, len(losses), window)]
 
@@ -188,8 +221,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", required=True, help="shard set written by `prep corpus`")
     parser.add_argument("--model", default="t5-v1_1-base", help="model preset (configs/models/*.yaml)")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), metavar="VARIANT",
-                        help=f"any of {', '.join(VARIANTS)} (default all; ignored with --pretrain)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS + PRETRAIN_VARIANTS, metavar="VARIANT",
+                        help=f"any of {', '.join(VARIANTS)} (default all), or with --pretrain of "
+                             f"{', '.join(PRETRAIN_VARIANTS)} (default both)")
     parser.add_argument("--pretrain", action="store_true", help="run `pretrain` (DeepSpeed ZeRO 2) eager and --compile")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--batch", type=int, default=64)
@@ -202,6 +236,11 @@ def main() -> int:
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                         help="auto: bf16 (autocast, fp32 parameters; with --pretrain bf16 parameters) on CUDA, fp32 on CPU")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_parity_out"))
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="(seed, variant) runs at once, each its own process on the same device (default 1: one "
+                             "after the other). Each run builds the same weights and batches as alone; several at once "
+                             "share the GPU (memory: about a quarter of an H200 each for t5-v1_1-base at batch 64)")
+    parser.add_argument("--result", help=argparse.SUPPRESS)    # internal: one (seed, variant) run's JSON (--jobs)
     args = parser.parse_args()
     if args.precision == "auto":
         args.precision = "bf16" if args.device == "cuda" else "fp32"
@@ -218,7 +257,11 @@ def main() -> int:
     per_epoch = len(dataset) // args.batch
     if per_epoch == 0:
         parser.error(f"--batch {args.batch} is larger than the shard set ({len(dataset)} examples)")
-    variants = list(PRETRAIN_VARIANTS) if args.pretrain else args.variants
+    allowed = PRETRAIN_VARIANTS if args.pretrain else VARIANTS
+    variants = args.variants or list(allowed)
+    if set(variants) - set(allowed):
+        parser.error(f"--variants {' '.join(variants)}: {'with' if args.pretrain else 'without'} --pretrain the "
+                     f"variants are {', '.join(allowed)}")
     reference = "pretrain" if args.pretrain else ("hf" if "hf" in variants else variants[0])
     mode = (f"pretrain (DeepSpeed ZeRO 2, {args.precision} parameters)" if args.pretrain else
             "bf16 autocast, fp32 parameters" if args.precision == "bf16" else "fp32")
@@ -227,20 +270,35 @@ def main() -> int:
               f"AdamW lr {args.lr} (warmup {args.warmup}, constant), clip {args.clip}; seeds {args.seeds}")
     print(header, flush=True)
 
-    results: dict[int, dict] = {}
-    for seed in args.seeds:
-        results[seed] = {}
-        ours_cpu = None if args.pretrain else build(args.model, seed=seed)
-        for variant in variants:
-            if args.pretrain:
-                result = run_pretrain(variant, seed, args)
-            else:
-                data = batches(dataset, args.batch, seed, args.steps, args.device)
-                result = train_variant(variant, ours_cpu, data, args)
-            results[seed][variant] = result
-            losses = result["losses"]
-            print(f"seed {seed} {variant}: {result['seconds']:.0f}s, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
-                  f"window means {' '.join(f'{m:.4f}' for m in window_means(losses, args.window))}", flush=True)
+    # the model's vocabulary for this shard set, as pretrain resolves it (the preset's, or the tokenizer's if larger)
+    vocab, _ = resolve_vocab_size(resolve_config(args.model).vocab_size,
+                                  int(dataset.manifest["tokenizer"]["vocab_size"]), None)
+
+    def run_one(seed: int, variant: str) -> dict:
+        if args.pretrain:
+            return run_pretrain(variant, seed, args)
+        data = batches(dataset, args.batch, seed, args.steps, args.device)
+        return train_variant(variant, build(args.model, seed=seed, vocab_size=vocab), data, args)
+
+    if args.result:                  # one run of a --jobs pool: its losses to a file, no table
+        Path(args.result).write_text(json.dumps(run_one(args.seeds[0], variants[0])))
+        return 0
+
+    def report(seed: int, variant: str, result: dict) -> None:
+        losses = result["losses"]
+        print(f"seed {seed} {variant}: {result['seconds']:.0f}s, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+              f"window means {' '.join(f'{m:.4f}' for m in window_means(losses, args.window))}", flush=True)
+
+    runs = [(seed, variant) for seed in args.seeds for variant in variants]
+    results: dict[int, dict] = {seed: {} for seed in args.seeds}
+    start = time.perf_counter()
+    if args.jobs <= 1:
+        for seed, variant in runs:
+            results[seed][variant] = run_one(seed, variant)
+            report(seed, variant, results[seed][variant])
+    else:
+        results = run_pool(runs, args, report)
+    print(f"{len(runs)} runs in {time.perf_counter() - start:.0f} s ({args.jobs} at once)", flush=True)
 
     table, summary = tabulate(results, variants, reference, args.window, args.steps)
     text = f"{header}\n\n{table}\n"
