@@ -12,6 +12,7 @@ study and the spawner read these without them (`pretrain.trainer.init_rank` make
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -20,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from pipeline.common import REPO_ROOT
 
@@ -166,6 +168,33 @@ def wait_for_start_gate(poll_s: float = 0.05) -> float | None:
     while not os.path.exists(gate):
         time.sleep(poll_s)
     return time.monotonic() - start
+
+
+STARTUP_SHARE = 4   # a start-up ahead of its gate uses at most 1/STARTUP_SHARE of the host's cores per local rank
+
+
+def gate_closed() -> bool:
+    """Whether this rank was started ahead of its devices (study overlap_startup) and its gate is still closed."""
+    gate = os.environ.get(START_GATE_ENV)
+    return bool(gate) and not os.path.exists(gate)
+
+
+@contextlib.contextmanager
+def startup_threads(local_world_size: int, get_num_threads, set_num_threads) -> Iterator[int | None]:
+    """While the gate is closed, build with torch intra-op threads limited to 1/STARTUP_SHARE of the cores (per
+    local rank), then restore them: a start-up ahead runs beside another point's measured steps, whose host side
+    (the launch thread, DeepSpeed's gradient hooks, the loader) must keep its cores. Yields the threads used
+    (None: not ahead of a gate, nothing changed). torch's functions are passed in: no torch here."""
+    if not gate_closed():
+        yield None
+        return
+    before = get_num_threads()
+    threads = max(1, len(os.sched_getaffinity(0)) // (STARTUP_SHARE * max(1, local_world_size)))
+    set_num_threads(min(before, threads))
+    try:
+        yield min(before, threads)
+    finally:
+        set_num_threads(before)
 
 
 def free_port() -> int:

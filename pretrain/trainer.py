@@ -25,7 +25,7 @@ from torch.profiler import record_function
 from pipeline.common import REPO_ROOT, UserError, atomic_write_json
 from pretrain import checkpoint as ckpt
 from pretrain.anomalies import DEBUG_SPIKE_FACTOR, MAX_ROLLBACKS, StepGuard
-from pretrain.ranks import RESUMABLE_EXIT, heartbeat, launch_t0, preemption
+from pretrain.ranks import RESUMABLE_EXIT, heartbeat, launch_t0, preemption, startup_threads
 from pretrain.hostcpu import HostMeter, bind_rank, set_omp_threads
 from pretrain.metrics import MetricsLog, PhaseClock, host_peak_rss_gib, peak_tflops_for, summarize, write_summary
 
@@ -179,7 +179,9 @@ class Trainer:
         self.resume_tag = self._prepare_resume() if config.resume else None
         if config.zero == 3:     # the partitioned build already puts weights on the devices
             self._wait_for_start_gate()
-        self.model_init = self._build_model(plan.model_config, config.seed)
+        with startup_threads(env.local_world_size, torch.get_num_threads, torch.set_num_threads) as threads:
+            self.model_init = self._build_model(plan.model_config, config.seed)   # ahead of its gate: a core share
+        self.model_init["startup_threads"] = threads
         model = self.model_init.pop("model")
         self.timeline.mark("model_built")
         if config.zero < 3:      # built on the host: wait for the devices only now
