@@ -11,13 +11,19 @@ the devices; a refusal is one line on stderr and exit status 2 (`--force` overri
 from __future__ import annotations
 
 import argparse
+import base64
+import copy
+import dataclasses
 import errno
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from pipeline.common import UserError, run_cli
-from pretrain.config import TrainConfig, add_train_flags, resolve_flags
+from pretrain.config import TrainConfig, add_train_flags, config_from_values, resolve_flags
+from pretrain.ds_config import deep_merge
 
 OUTPUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 
@@ -30,14 +36,74 @@ def build_parser() -> argparse.ArgumentParser:
     # the `deepspeed` launcher appends --local_rank=N; the rank is read from LOCAL_RANK instead
     parser.add_argument("--local_rank", "--local-rank", dest="launcher_local_rank", type=int,
                         default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    # DeepSpeed's autotuner (`deepspeed --autotuning tune ... pretrain.cli --deepspeed --deepspeed_config ds.json`)
+    # gives each of its experiments a DeepSpeed config this way: see deepspeed_config_overrides
+    parser.add_argument("--deepspeed", dest="launcher_deepspeed", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--deepspeed_config", "--deepspeed-config", dest="launcher_ds_config",
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 
 
+def read_deepspeed_config(text: str) -> dict[str, Any]:
+    """A DeepSpeed config as DeepSpeed's launcher passes it: a JSON file's path, or the config itself in
+    URL-safe base64 (how the autotuner's scheduler hands one to each experiment)."""
+    try:
+        is_file = os.path.isfile(text)
+    except (OSError, ValueError):       # a base64 config longer than a file name may be
+        is_file = False
+    try:
+        raw = Path(text).read_text() if is_file else base64.urlsafe_b64decode(text.encode()).decode()
+        config = json.loads(raw)
+    except (OSError, ValueError, UnicodeDecodeError) as err:
+        raise UserError(f"--deepspeed_config {text[:60]}: neither a readable JSON file nor a base64 DeepSpeed "
+                        f"config ({err}); pass a JSON file") from None
+    if not isinstance(config, dict):
+        raise UserError(f"--deepspeed_config {text[:60]}: a DeepSpeed config is a JSON object")
+    return config
+
+
+def deepspeed_config_overrides(ds: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """The TrainConfig settings a DeepSpeed config given by its launcher sets (what `deepspeed --autotuning`
+    varies per experiment): `zero_optimization.stage` -> zero, `train_micro_batch_size_per_gpu` -> micro_batch,
+    micro batch x `gradient_accumulation_steps` x ranks -> global_batch (where they are numbers, not "auto"); every
+    other key is merged into the `deepspeed:` mapping, which pretrain's own DeepSpeed config takes last (the
+    autotuner's `autotuning` section with its per-experiment metric path among them), and `out` goes to a `run`
+    directory beside that metric path, so that experiments do not share a run directory."""
+    ds = copy.deepcopy(ds)
+    out: dict[str, Any] = {}
+    zero = ds.get("zero_optimization", {})
+    if isinstance(zero.get("stage"), int):
+        out["zero"] = zero.pop("stage")
+    if not zero:
+        ds.pop("zero_optimization", None)
+    micro = ds.pop("train_micro_batch_size_per_gpu", None)
+    accum = ds.pop("gradient_accumulation_steps", None)
+    ds.pop("train_batch_size", None)      # pretrain derives it: micro x accumulation x ranks
+    if isinstance(micro, int):
+        out["micro_batch"] = micro
+        if isinstance(accum, int):
+            out["global_batch"] = micro * accum * world_size
+    autotuning = ds.get("autotuning") or {}
+    result = autotuning.get("metric_path") or autotuning.get("model_info_path")
+    if result:
+        out["out"] = str(Path(result).parent / "run")
+    out["deepspeed"] = ds
+    return out
+
+
 def resolve_config(argv: list[str] | None = None) -> TrainConfig:
-    """Flags over YAML over defaults -> a validated TrainConfig."""
+    """Flags over YAML over defaults -> a validated TrainConfig; a launcher's --deepspeed_config over those."""
     flags = vars(build_parser().parse_args(argv))
     flags.pop("launcher_local_rank", None)
-    return resolve_flags(flags)
+    flags.pop("launcher_deepspeed", None)
+    ds_text = flags.pop("launcher_ds_config", None)
+    if ds_text is None:
+        return resolve_flags(flags)
+    overrides = deepspeed_config_overrides(read_deepspeed_config(ds_text), int(os.environ.get("WORLD_SIZE", "1")))
+    extra = overrides.pop("deepspeed")
+    config = resolve_flags({**flags, **overrides})       # the launcher's stage, batch and run dir over the flags
+    return config_from_values({**dataclasses.asdict(config), "deepspeed": deep_merge(config.deepspeed, extra)},
+                              where="--deepspeed_config")
 
 
 def main(argv: list[str] | None = None) -> int:
