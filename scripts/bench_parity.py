@@ -19,15 +19,17 @@ loss of each variant per window of `--window` steps, each variant's last window 
 or `pretrain` eager with --pretrain) in %, the per-window max |difference| to the reference, and the noise
 reference: the spread of HF compiled against HF eager (the same math, another kernel order), per-window max
 |diff| over all windows and seeds. A variant whose gap to the reference exceeds that spread systematically (the
-same sign in every window) trains differently. `--device cpu --model t5-tiny --steps 20 --window 5` is a smoke test. `--jobs N` runs N of the (seed, variant) runs at
-once, each its own process on the same device (the same weights and batches as alone; kernels are chosen per
-process, not by load): on an H200 the eager variants leave most of the GPU idle (HF eager runs at ~15% MFU).
+same sign in every window) trains differently. `--device cpu --model t5-tiny --steps 20 --window 5` is a smoke test.
+`--jobs N` runs N of the (seed, variant) runs at once, each its own process on the same device (the same weights
+and batches as alone; kernels are chosen per process, not by load): on an H200 the eager variants leave most of
+the GPU idle (HF eager runs at ~15% MFU).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -274,11 +276,15 @@ def main() -> int:
     vocab, _ = resolve_vocab_size(resolve_config(args.model).vocab_size,
                                   int(dataset.manifest["tokenizer"]["vocab_size"]), None)
 
+    @functools.lru_cache(maxsize=1)          # runs come seed by seed: each seed's weights are built once
+    def initial_model(seed: int) -> T5Model:
+        return build(args.model, seed=seed, vocab_size=vocab)
+
     def run_one(seed: int, variant: str) -> dict:
         if args.pretrain:
             return run_pretrain(variant, seed, args)
         data = batches(dataset, args.batch, seed, args.steps, args.device)
-        return train_variant(variant, build(args.model, seed=seed, vocab_size=vocab), data, args)
+        return train_variant(variant, initial_model(seed), data, args)
 
     if args.result:                  # one run of a --jobs pool: its losses to a file, no table
         Path(args.result).write_text(json.dumps(run_one(args.seeds[0], variants[0])))

@@ -333,13 +333,11 @@ def loader_cpu_per_example(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def _loading_cores(mode: str, items: list[dict[str, Any]], per_example_s: float | None) -> str:
-    """What loading in `mode` takes of the host at this stage: measured cores, and the cores it needs at the
-    stage's fastest consumption rate from the mode's CPU per example."""
+    """What loading in `mode` takes of the host at this stage: the cores it needs at the stage's fastest
+    consumption rate from the mode's CPU per example (loader_cpu_per_example), or why that is not known."""
     rate = max(r["samples_per_s"] for r in items)
     measured = [r["loader_cores"] * r["nproc"] for r in items if r.get("loader_cores") is not None]
-    if per_example_s is None:
-        if measured and max(measured) > 0:
-            return f"`{mode}` keeps {max(measured):.2g} host cores busy"
+    if per_example_s is None:    # no point of this mode saw loader CPU (any that did would have given a cost)
         return (f"`{mode}`: no loader CPU in the measured steps (under the OS's 10 ms ticks, or the workers made "
                 f"these examples before them; more steps would measure it)" if measured
                 else f"`{mode}`: loading CPU not recorded")

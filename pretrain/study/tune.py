@@ -32,10 +32,10 @@ from pretrain.config import STAGE3_TUNABLES, ZERO_STAGES, TrainConfig
 from pretrain.data import storage
 from pretrain.runlock import output_dir
 from pretrain.study import tune_report
-from pretrain.study.tune_compare import compare_with_grid, grid_rows
 from pretrain.study.grid import AXIS_NAMES, GRID_KEYS, SKIP_STEPS_KEY, StudyGrid, as_list, load_grid
 from pretrain.study.results import result_row
 from pretrain.study.runner import Sweep, machine_info, new_counts, run_points
+from pretrain.study.tune_compare import compare_with_grid, grid_rows
 from pretrain.study.tune_model import Calibration, CostModel, Shape
 
 TUNE_FILE = "tune.json"
@@ -151,10 +151,9 @@ def space_grid(options: TuneOptions, cores: int, steps: int) -> dict[str, Any]:
         if not isinstance(raw, dict) or set(raw) - set(GRID_KEYS):
             raise UserError(f"{path}: a space file is a grid file (keys {sorted(GRID_KEYS)}); see configs/tune/")
     base, grid_axes = dict(raw.get("base") or {}), dict(raw.get("grid") or {})
-    for name in FIXED_BY_FLAGS:      # a study grid's one-value axis (`grid: {model: mt5-large}`) fixes it too
-        if name in grid_axes and len(as_list(grid_axes[name])) == 1:
-            base.setdefault(name, as_list(grid_axes.pop(name))[0])
     for name in FIXED_BY_FLAGS:
+        if name in grid_axes and len(as_list(grid_axes[name])) == 1:   # a study grid's one-value axis fixes it too
+            base.setdefault(name, as_list(grid_axes.pop(name))[0])
         value = getattr(options, name)
         if value is not None:
             base[name] = value
@@ -456,8 +455,8 @@ def open_tune(options: TuneOptions) -> Tune:
 def run_tune(options: TuneOptions) -> Tune:
     """The whole tune (or, with dry_run, the space pruned and ranked, nothing launched); writes DIR/tune.json,
     tune.md, best.yaml and the plots."""
-    if options.compare_grid:
-        grid_rows(Path(options.compare_grid))       # a grid to compare against that is not there: say so first
+    # the grid to compare against, read first: one that is not there is said before anything launches
+    against = grid_rows(Path(options.compare_grid)) if options.compare_grid else None
     tune = open_tune(options)
     if options.dry_run:
         tune.refresh()
@@ -469,8 +468,8 @@ def run_tune(options: TuneOptions) -> Tune:
     if tune.best() is not None and not (tune.stops and tune.stops[-1].startswith("budget")):
         tune.later_rungs()
     tune.refresh()
-    if options.compare_grid:
-        tune.state["against_grid"] = compare_with_grid(tune, Path(options.compare_grid))
+    if against is not None:
+        tune.state["against_grid"] = compare_with_grid(tune, Path(options.compare_grid), against)
     tune.save()
     tune_report.write_outputs(tune)
     return tune

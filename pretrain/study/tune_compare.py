@@ -1,7 +1,8 @@
 """`study tune --compare-grid STUDY_DIR`: the tune against a full grid measured over the same space, the check of
 issue 17 (the best found within GOAL_GAP of the grid's best, in at most GOAL_TIME of the grid's device time).
 
-    against = compare_with_grid(tune, Path("studies/mt5-large-full"))   # a dict; tune.json keeps it, tune.md shows it
+    rows = grid_rows(Path("studies/mt5-large-full"))          # every run of the grid (read before the tune)
+    against = compare_with_grid(tune, Path("studies/mt5-large-full"), rows)   # tune.json keeps it, tune.md shows it
 
 The grid is any study directory (its runs, or its results.csv): `study run` of the tune's `--write-grid` file, or
 a study whose grid spans the same space. Points are matched by their settings, not their ids. The best found is
@@ -43,9 +44,9 @@ def _matches(config, row: dict[str, Any], axes: list[str]) -> bool:
     return all(_same(getattr(config, axis), row.get(axis)) for axis in axes)
 
 
-def compare_with_grid(tune, study_dir: Path) -> dict[str, Any]:
-    """The tune's best against the grid's best, the two device times, and how the two spaces differ."""
-    rows = grid_rows(study_dir)
+def compare_with_grid(tune, study_dir: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The tune's best against the grid's best (`rows`: the grid's runs, grid_rows), the two device times, and how
+    the two spaces differ."""
     axes = [axis for axis in dict.fromkeys([*CLASSIC_AXES, *tune.grid.axes]) if axis in rows[0]]
     grid_s = sum(float(r.get("wall_s") or 0.0) for r in rows if (r.get("repeat") or 1) == 1)
     points = combine_runs(rows)
