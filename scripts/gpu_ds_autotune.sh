@@ -6,6 +6,7 @@
 # global batch, DeepSpeed's fast mode: micro batch per stage only), runs `deepspeed --autotuning tune` with
 # pretrain/cli.py as the script (pretrain takes each experiment's --deepspeed_config: pretrain.cli), and puts the
 # log, summary.txt, ds_config_optimal.json and one line per experiment (its metrics.json) into $OUT/ds-autotune.
+# MICRO_BATCH_TRIALS (default 3) is its num_tuning_micro_batch_sizes: experiments per stage after the largest fitting.
 # Needs tabulate (in .whl from scripts/gpu_wheels.sh). What it searches and measures: docs/tune.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,13 +15,14 @@ SECONDS_FOR_TUNE=${5:-540}; shift $(( $# < 5 ? $# : 5 ))
 DEST=${OUT:-gpu-out}/ds-autotune; mkdir -p "$DEST"
 NAME=gpu_ds_autotune; [ -f scripts/gpu_env.sh ] && source scripts/gpu_env.sh
 WORK=$(mktemp -d /tmp/ds-autotune.XXXX)
-python3 - "$WORK/ds.json" "$GLOBAL" "$STAGES" <<'PY'
+python3 - "$WORK/ds.json" "$GLOBAL" "$STAGES" "${MICRO_BATCH_TRIALS:-3}" <<'PY'
 import json, sys
 path, global_batch, stages = sys.argv[1], int(sys.argv[2]), [int(s) for s in sys.argv[3].split(",")]
+trials = int(sys.argv[4])
 json.dump({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
            "train_batch_size": "auto", "zero_optimization": {"stage": stages},
            "autotuning": {"enabled": True, "fast": True, "start_profile_step": 3, "end_profile_step": 5,
-                          "max_train_batch_size": global_batch, "num_tuning_micro_batch_sizes": 3}},
+                          "max_train_batch_size": global_batch, "num_tuning_micro_batch_sizes": trials}},
           open(path, "w"), indent=1)
 PY
 export PATH=/tmp/site/bin:$PATH        # each experiment is a `deepspeed` command found on PATH

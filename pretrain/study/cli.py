@@ -62,6 +62,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                           global_batch=args.global_batch, space=args.space, sets=args.set, budget_s=args.budget_s,
                           rung_steps=args.rung_steps, skip_steps=args.skip_steps, keep=args.keep,
                           min_measured=args.min_measured, model_margin=args.model_margin,
+                          sibling_margin=args.sibling_margin,
                           device_memory_gib=args.device_memory_gib, calibrate_from=args.calibrate_from,
                           best_steps=args.best_steps, dry_run=args.dry_run, write_grid=args.write_grid,
                           compare_grid=args.compare_grid, argv=["study", *map(str, sys.argv[1:])])
@@ -129,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="candidates measured before the cost model may stop the first rung (default 3)")
     tune.add_argument("--model-margin", type=float, default=0.15,
                       help="least relative error the cost model is granted when it stops early (default 0.15)")
+    tune.add_argument("--sibling-margin", type=float, default=0.06,
+                      help="error granted a prediction whose compute comes from measured candidates differing only "
+                           "in loading: one configuration's run-to-run spread (default 0.06)")
     tune.add_argument("--device-memory-gib", type=float,
                       help="memory per device to prune against (default: the GPU's, on CPU the host's per rank)")
     tune.add_argument("--calibrate-from", nargs="+", default=[], metavar="STUDY_DIR",

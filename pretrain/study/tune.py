@@ -61,6 +61,7 @@ class TuneOptions:
     keep: float = 0.34
     min_measured: int = 3
     model_margin: float = 0.15
+    sibling_margin: float = 0.06
     noise_floor: float = 0.02
     memory_margin: float = 0.1
     device_memory_gib: float | None = None
@@ -283,6 +284,11 @@ def _ran_on(path: Path) -> dict[str, Any] | None:
 
 # ------------------------------------------------------------------------------------------------ the search
 
+def _anchor_note(candidate: Candidate) -> str:
+    siblings = candidate.predicted.get("siblings", 0)
+    return f" (compute of {siblings} measured sibling launch{'es' if siblings > 1 else ''})" if siblings else ""
+
+
 @dataclass
 class Tune:
     """One tune's state: the space, the models, every candidate, the launches so far."""
@@ -313,7 +319,9 @@ class Tune:
                      "near": f"calibrated estimate {c.calibrated_gib:.3g} GiB is within "
                              f"{self.calibration.margin:.0%} of the capacity {capacity:.3g} GiB: measured, not pruned",
                      "fits": ""}[c.memory]
-            c.predicted = self.model.predict(c.config, self.shape)
+            # a measured candidate keeps the model's own figure (what tune_predicted.png checks); the others
+            # take their measured siblings' compute
+            c.predicted = self.model.predict(c.config, self.shape, anchored=not c.results)
 
     def noise(self, best: Candidate) -> float:
         spread = best.best_result()[1].get("tokens_per_s_spread") or 0.0
@@ -353,9 +361,17 @@ class Tune:
         self.save()
         return row
 
+    def margin(self, candidate: Candidate) -> float:
+        """How far a candidate's prediction may be below what it would measure: the model's error (at least
+        --model-margin), or, where its compute comes from measured siblings, one configuration's run-to-run
+        spread (--sibling-margin)."""
+        if candidate.predicted.get("siblings"):
+            return self.options.sibling_margin
+        return max(self.options.model_margin, self.model.residual or 0.0)
+
     def first_rung(self) -> None:
-        """Rung 0 in rank order: the default first, then the best predicted, until the budget, the space or the
-        cost model says stop."""
+        """Rung 0 in rank order: the default first, then the best predicted that could still beat the best
+        measured, until the budget, the space or the cost model says stop."""
         while True:
             self.refresh()
             pending = [c for c in self.candidates if 0 not in c.results and c.memory != "pruned"]
@@ -365,22 +381,27 @@ class Tune:
             if not self.budget_left():
                 return
             default = [c for c in pending if c.default]
-            nxt = default[0] if default else max(pending, key=lambda c: c.predicted["tokens_per_s"])
             best = self.best()
             ok = sum(1 for c in self.candidates if c.results.get(0, {}).get("status") == "ok")
+            ranked = sorted(pending, key=lambda c: -c.predicted["tokens_per_s"])
             if best and not default and ok >= self.options.min_measured:
-                error = max(self.options.model_margin, self.model.residual or 0.0)
-                optimistic = nxt.predicted["tokens_per_s"] * (1 + error)
                 best_rate, noise = best.best_result()[1]["tokens_per_s"], self.noise(best)
-                if optimistic <= best_rate * (1 + noise):
+                bar = best_rate * (1 + noise)
+                contenders = [c for c in ranked if c.predicted["tokens_per_s"] * (1 + self.margin(c)) > bar]
+                if not contenders:
+                    top = max(pending, key=lambda c: c.predicted["tokens_per_s"] * (1 + self.margin(c)))
+                    rate = top.predicted["tokens_per_s"]
                     self.stops.append(
-                        f"rung 0: early stop after {ok} measured: the next candidate {nxt.point_id} is predicted "
-                        f"{nxt.predicted['tokens_per_s']:.0f} tok/s, at most {optimistic:.0f} with the model's "
-                        f"{error:.0%} error, which does not beat the best {best.point_id} "
-                        f"({best_rate:.0f} tok/s) by more than the noise {noise:.1%}; {len(pending)} left unmeasured")
+                        f"rung 0: early stop after {ok} measured: no candidate left can beat the best "
+                        f"{best.point_id} ({best_rate:.0f} tok/s) by more than the noise {noise:.1%}; the closest, "
+                        f"{top.point_id}, is predicted {rate:.0f} tok/s{_anchor_note(top)}, at most "
+                        f"{rate * (1 + self.margin(top)):.0f} with a {self.margin(top):.0%} margin; "
+                        f"{len(pending)} left unmeasured")
                     return
+                ranked = contenders
+            nxt = default[0] if default else ranked[0]
             print(f"[tune] rung 0: {nxt.point_id}{' (the default)' if nxt.default else ''}, predicted "
-                  f"{nxt.predicted['tokens_per_s']:.0f} tok/s", flush=True)
+                  f"{nxt.predicted['tokens_per_s']:.0f} tok/s{_anchor_note(nxt)}", flush=True)
             self.measure(nxt, 0)
 
     def later_rungs(self) -> None:

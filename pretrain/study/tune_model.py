@@ -18,10 +18,15 @@ feature of the configuration (the shape: parameters P, model FLOPs per rank and 
 The weights w start at 1 and are refitted (ridge least squares towards 1, relative errors) on every measured
 launch's compute time (step time minus its measured data wait); the per-example loading cost load_s per loader
 mode is the median measured one (the loader's CPU seconds per example).
+
+Candidates that differ only in how examples are loaded (LOADING_FIELDS) run the same step: once one of them is
+measured, the others' compute is the model's scaled by that sibling's measured / modelled ratio (its anchor), so
+only their data wait and, under offload, the cores their workers take from CPU-Adam are left to the model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -47,6 +52,18 @@ parameter-thread of CPU-Adam; per parameter of offload traffic; fixed seconds pe
 LOAD_S_PRIORS = {"shards": 2e-5, "online": 1.5e-3, "remote": 5e-5}   # online: 1.2-1.9e-3 on the H200 host
 """Prior host CPU seconds per example a loader mode spends (mmap'd shards, text made in the worker, a stream)."""
 PRIOR_STRENGTH = 1.0       # ridge weight pulling each weight towards its prior (1), against relative errors
+LOADING_FIELDS = frozenset({"loader", "loader_workers", "prefetch_factor", "remote_prefetch_shards", "cache_max_gib",
+                            "cache_dir", "data", "tokenizer", "text_field", "unit_bytes"})
+"""TrainConfig fields that change where a step's examples come from, not the step the model runs."""
+RUN_FIELDS = frozenset({"out", "steps", "stop_after", "force", "save_every", "save_final", "log_every"})
+"""Fields of a launch, not of a configuration (a rung's steps, its directory)."""
+
+
+def compute_key(config) -> tuple:
+    """What a configuration's step depends on: every field but the loading and launch ones. Equal keys, equal
+    compute (the model's host-CPU terms aside, which the anchor's ratio carries over)."""
+    return tuple(sorted((f.name, repr(getattr(config, f.name))) for f in dataclasses.fields(config)
+                        if f.name not in LOADING_FIELDS | RUN_FIELDS))
 
 
 @dataclass
@@ -88,6 +105,7 @@ class CostModel:
     weights: np.ndarray = field(default_factory=lambda: np.ones(len(TERMS)))
     load_s: dict[str, float] = field(default_factory=lambda: dict(LOAD_S_PRIORS))
     residual: float | None = None             # RMS relative error of the fit on the measured launches
+    anchors: dict[tuple, list[float]] = field(default_factory=dict)   # compute_key -> measured / modelled compute
 
     @classmethod
     def for_device(cls, device: dict[str, Any]) -> "CostModel":
@@ -101,14 +119,18 @@ class CostModel:
     def terms_s(self, config, shape: Shape) -> np.ndarray:
         return prior_terms_s(config, shape, self.priors, self.rate)
 
-    def predict(self, config, shape: Shape) -> dict[str, float]:
-        """{compute_s, data_wait_s, step_time_s, tokens_per_s} of a configuration."""
+    def predict(self, config, shape: Shape, anchored: bool = True) -> dict[str, float]:
+        """{compute_s, data_wait_s, step_time_s, tokens_per_s, siblings} of a configuration; with `anchored`, its
+        compute scaled by the measured siblings' anchor (siblings: how many measured launches it came from)."""
         compute = float((self.terms_s(config, shape) * self.weights).sum())
+        ratios = self.anchors.get(compute_key(config), []) if anchored else []
+        if ratios:
+            compute *= statistics.median(ratios)
         loading = shape.examples_per_rank_step * self.load_s.get(config.loader, LOAD_S_PRIORS["shards"])
         wait = loading if config.loader_workers == 0 else max(0.0, loading / config.loader_workers - compute)
         step = compute + wait
         return {"compute_s": compute, "data_wait_s": wait, "step_time_s": step,
-                "tokens_per_s": shape.tokens_per_step / step}
+                "tokens_per_s": shape.tokens_per_step / step, "siblings": len(ratios)}
 
     def refit(self, measured: list[tuple[Any, dict[str, Any]]], shape: Shape) -> None:
         """Refit the weights and the loading costs on (config, figures) of every measured launch (figures:
@@ -125,10 +147,14 @@ class CostModel:
         b = np.concatenate([np.ones(len(y)), ridge * np.ones(len(TERMS))])
         solution, *_ = np.linalg.lstsq(a, b, rcond=None)
         self.weights = np.clip(solution, 0.02, None)
-        predicted = np.array([self.predict(config, shape)["step_time_s"] for config, m in measured
-                              if m.get("step_time_s")])
-        actual = np.array([m["step_time_s"] for _, m in measured if m.get("step_time_s")])
+        timed = [(config, m) for config, m in measured if m.get("step_time_s")]
+        predicted = np.array([self.predict(config, shape, anchored=False)["step_time_s"] for config, _ in timed])
+        actual = np.array([m["step_time_s"] for _, m in timed])
         self.residual = float(np.sqrt(np.mean((predicted / actual - 1.0) ** 2)))
+        self.anchors = {}
+        for (config, _), (_, compute) in zip(timed, rows):
+            modelled = float((self.terms_s(config, shape) * self.weights).sum())
+            self.anchors.setdefault(compute_key(config), []).append(max(compute, 1e-6) / modelled)
 
     def _refit_loading(self, measured: list[tuple[Any, dict[str, Any]]], shape: Shape) -> None:
         per_mode: dict[str, list[float]] = {}
@@ -145,7 +171,8 @@ class CostModel:
         """The fitted weights per term, the loading costs and the fit's error (for tune.json and tune.md)."""
         return {"weights": dict(zip(TERMS, (round(float(w), 3) for w in self.weights))),
                 "load_s_per_example": {k: float(f"{v:.3g}") for k, v in self.load_s.items()},
-                "rms_relative_error": None if self.residual is None else round(self.residual, 4)}
+                "rms_relative_error": None if self.residual is None else round(self.residual, 4),
+                "anchors": len(self.anchors)}
 
 
 # ------------------------------------------------------------------------------------------------ memory

@@ -31,6 +31,7 @@ def candidate_summary(candidate) -> dict[str, Any]:
             "why": candidate.why, "estimate_gib": round(candidate.estimate_gib, 3),
             "calibrated_gib": round(candidate.calibrated_gib, 3),
             "predicted_tokens_per_s": round(candidate.predicted.get("tokens_per_s", 0.0), 1),
+            "predicted_from_siblings": candidate.predicted.get("siblings", 0),
             "results": {str(rung): {k: row.get(k) for k in keys} for rung, row in candidate.results.items()}}
 
 
@@ -109,13 +110,16 @@ def render_markdown(tune) -> str:
               "Memory calibration (measured peak / estimate): " + (", ".join(
                   f"z{z}/{o} {r:.2f} ({src})" for z, o, r, src in tune.calibration.ratios) or "none measured yet, "
                   f"prior {tune.calibration.prior}"), "",
+              "Predicted: the cost model's tokens/s; (sibling): its compute taken from measured candidates that "
+              "differ from it only in loading, the model giving the rest.", "",
               "| candidate | state | predicted | rung | tokens/s | spread | step s | data wait s | peak GiB | "
               "estimate GiB (calibrated) | memory |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for c in _ordered(tune):
         name = f"`{c.point_id}`" + (" (default)" if c.default else "")
         result = c.best_result()
         rung, row = result if result else ("", {})
-        lines.append(f"| {name} | {_state(c)} | {format_rate(c.predicted.get('tokens_per_s'))} | {rung} | "
+        sibling = " (sibling)" if c.predicted.get("siblings") else ""
+        lines.append(f"| {name} | {_state(c)} | {format_rate(c.predicted.get('tokens_per_s'))}{sibling} | {rung} | "
                      f"{format_rate(row.get('tokens_per_s')) if row else ''} | "
                      f"{_cell(row.get('tokens_per_s_spread'), '.1%')} | {_cell(row.get('step_time_s'), '.3f')} | "
                      f"{_cell(row.get('data_wait_s'), '.4f')} | {_cell(row.get('peak_mem_gib'), '.2f')} | "
