@@ -126,9 +126,17 @@ def run_pretrain(variant: str, seed: int, args) -> dict:
             "seconds": time.perf_counter() - start}
 
 
+def run_settings(args, seed: int, variant: str) -> dict:
+    """What a (seed, variant) run's losses depend on: a result file of other settings is not reused."""
+    return {"data": str(Path(args.data).resolve()), "model": args.model, "steps": args.steps, "batch": args.batch,
+            "lr": args.lr, "warmup": args.warmup, "clip": args.clip, "device": args.device,
+            "precision": args.precision, "pretrain": bool(args.pretrain), "seed": seed, "variant": variant}
+
+
 def run_pool(runs: list[tuple[int, str]], args, report) -> dict[int, dict]:
     """Each (seed, variant) as its own process of this script (`--result FILE`), args.jobs at a time; a failed run
-    stops the benchmark with its log's tail."""
+    stops the benchmark with its log's tail. A run whose result file is in OUT/runs with the same settings (an
+    interrupted benchmark rerun with the same --out) is read, not run again."""
     from concurrent.futures import ThreadPoolExecutor
     pool_dir = Path(args.out) / "runs"
     pool_dir.mkdir(parents=True, exist_ok=True)
@@ -139,6 +147,11 @@ def run_pool(runs: list[tuple[int, str]], args, report) -> dict[int, dict]:
     def one(run: tuple[int, str]) -> tuple[int, str, dict]:
         seed, variant = run
         result, log = pool_dir / f"{variant}-seed{seed}.json", pool_dir / f"{variant}-seed{seed}.log"
+        if result.is_file():
+            earlier = json.loads(result.read_text())
+            if earlier.get("settings") == run_settings(args, seed, variant):
+                print(f"seed {seed} {variant}: finished earlier ({result})", flush=True)
+                return seed, variant, earlier
         command = [sys.executable, __file__, *forwarded, "--seeds", str(seed), "--result", str(result)]
         command += [*(["--pretrain"] if args.pretrain else []), "--variants", variant]
         with open(log, "w") as output:
@@ -287,7 +300,10 @@ def main() -> int:
         return train_variant(variant, initial_model(seed), data, args)
 
     if args.result:                  # one run of a --jobs pool: its losses to a file, no table
-        Path(args.result).write_text(json.dumps(run_one(args.seeds[0], variants[0])))
+        finished = {**run_one(args.seeds[0], variants[0]), "settings": run_settings(args, args.seeds[0], variants[0])}
+        partial = Path(args.result).with_suffix(".partial")
+        partial.write_text(json.dumps(finished))
+        partial.replace(args.result)          # whole or absent: a killed run leaves no result to reuse
         return 0
 
     def report(seed: int, variant: str, result: dict) -> None:
