@@ -12,6 +12,10 @@ it `x GEMM`: the fraction of a bf16 8192^3 matmul measured in the same run, peak
 eager and HF compiled (what a user would pick instead) in the same run. The table is printed last; results.json and
 results.md go to --out. `--device cpu --models t5-tiny` is a smoke test.
 
+`--batches 96 128 192 ...` also measures every variant at those batch sizes, in increasing order until one does not
+fit, and adds a second table: each variant at its fastest fitting batch, with its speed-up over HF compiled at HF
+compiled's own fastest (the memory a variant saves, turned into throughput), beside the equal-batch table.
+
 Variants: hf, hf-compile (transformers, eager / whole-model torch.compile); ours, ours-compile (eager /
 `compile_regions`); ours-compile-flex (`compile_regions` with `attention="flex"`: the self-attentions by
 FlexAttention, the position bias added inside the kernel; CUDA only, PyTorch has no FlexAttention backward on CPU);
@@ -150,7 +154,8 @@ def prepare(variant: str, ours_cpu, device: str, token_counts: tuple[int, ...] =
 
 def bench_variant(variant, ours_cpu, batch, args, flops_per_step, ceiling, peak):
     device = args.device
-    model = prepare(variant, ours_cpu, device, (args.batch * args.input_length, args.batch * args.target_length))
+    size = batch[0].shape[0]
+    model = prepare(variant, ours_cpu, device, (size * args.input_length, size * args.target_length))
     step = make_step(variant, model, batch)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -168,9 +173,9 @@ def bench_variant(variant, ours_cpu, batch, args, flops_per_step, ceiling, peak)
     step_s = (time.perf_counter() - start) / args.steps
     if variant == args.profile:
         profile(step, args, f"{ours_cpu.config.name}-{variant}")
-    tokens = args.batch * (args.input_length + args.target_length)
+    tokens = size * (args.input_length + args.target_length)
     tflops = flops_per_step / step_s / 1e12
-    row = {"variant": variant, "first_loss": first_loss, "last_loss": float(loss.detach()), "ms_per_step": 1e3 * step_s,
+    row = {"variant": variant, "batch": size, "first_loss": first_loss, "last_loss": float(loss.detach()), "ms_per_step": 1e3 * step_s,
            "tokens_per_s": tokens / step_s, "tflops": tflops, "mfu": tflops / peak if peak else float("nan"),
            "of_gemm": tflops / ceiling,
            "first_step_s": first_step_s,
@@ -181,12 +186,29 @@ def bench_variant(variant, ours_cpu, batch, args, flops_per_step, ceiling, peak)
     return row
 
 
+def best_batches(rows: list[dict]) -> list[dict]:
+    """Per (model, variant): the row of its fastest batch that fit, with the largest that fit and its tokens/s over
+    HF compiled's fastest."""
+    best = []
+    for model, variant in dict.fromkeys((r["model"], r["variant"]) for r in rows):
+        fits = [r for r in rows if (r["model"], r["variant"]) == (model, variant) and "error" not in r]
+        if fits:
+            best.append({**max(fits, key=lambda r: r["tokens_per_s"]), "largest_fit": max(r["batch"] for r in fits)})
+    for row in best:
+        base = next((b for b in best if b["model"] == row["model"] and b["variant"] == "hf-compile"), None)
+        if base:
+            row["best_vs_hf_compile"] = row["tokens_per_s"] / base["tokens_per_s"]
+    return best
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["mt5-base", "mt5-large"])
     parser.add_argument("--variants", nargs="+", default=["hf", "hf-compile", "ours", "ours-compile"], choices=VARIANTS,
                         metavar="VARIANT", help=f"any of {', '.join(VARIANTS)} (see above)")
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=64, help="the equal-batch comparison's batch size")
+    parser.add_argument("--batches", type=int, nargs="*", default=[],
+                        help="more batch sizes per variant, larger first fitting ones kept (the best-batch table)")
     parser.add_argument("--input-length", type=int, default=512)
     parser.add_argument("--target-length", type=int, default=114)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
@@ -219,41 +241,50 @@ def main() -> int:
     for preset in args.models:
         ours_cpu = build(preset, seed=args.seed)
         config = ours_cpu.config
+        sizes = sorted({args.batch, *args.batches})
         generator = torch.Generator().manual_seed(args.seed)
         low, high = 3, config.vocab_size - 100                    # no pad/eos/unk, no sentinels
-        batch = (torch.randint(low, high, (args.batch, args.input_length), generator=generator).to(args.device),
-                 torch.randint(low, high, (args.batch, args.target_length), generator=generator).to(args.device))
-        flops = train_step_flops(config, args.batch, args.input_length, args.target_length)
+        largest = (torch.randint(low, high, (sizes[-1], args.input_length), generator=generator),
+                   torch.randint(low, high, (sizes[-1], args.target_length), generator=generator))
+        print(f"{preset}: {count_parameters(config) / 1e6:.0f}M parameters, "
+              f"{train_step_flops(config, args.batch, args.input_length, args.target_length) / 1e12:.1f} TFLOP per "
+              f"step (batch {args.batch}, lengths {args.input_length}/{args.target_length})", flush=True)
         if args.device == "cuda":
             print(f"{preset}: SDPA kernels {sdpa_backends(ours_cpu, args)}", flush=True)
             if any(attention_of(variant) == "flex" for variant in args.variants):
                 print(f"{preset}: *-flex kernels {sdpa_backends(ours_cpu, args, 'flex')}", flush=True)
-        print(f"{preset}: {count_parameters(config) / 1e6:.0f}M parameters, {flops / 1e12:.1f} TFLOP per step "
-              f"(batch {args.batch}, lengths {args.input_length}/{args.target_length})", flush=True)
         for variant in args.variants:
-            try:
-                row = bench_variant(variant, ours_cpu, batch, args, flops, ceiling, peak)
-            except torch.OutOfMemoryError as err:
-                row = {"variant": variant, "error": f"out of memory: {str(err).splitlines()[0]}"}
-            except Exception as err:  # keep the other variants' numbers; report this one's failure
-                row = {"variant": variant, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
-            row["model"] = preset
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
+            for size in sizes:            # the same examples at every size: a prefix of the largest batch
+                batch = tuple(part[:size].to(args.device) for part in largest)
+                flops = train_step_flops(config, size, args.input_length, args.target_length)
+                try:
+                    row = bench_variant(variant, ours_cpu, batch, args, flops, ceiling, peak)
+                except torch.OutOfMemoryError as err:
+                    row = {"variant": variant, "batch": size, "error": f"out of memory: {str(err).splitlines()[0]}"}
+                except Exception as err:  # keep the other variants' numbers; report this one's failure
+                    row = {"variant": variant, "batch": size,
+                           "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+                row["model"] = preset
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                del batch
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+                if "error" in row and size >= args.batch:   # a larger batch will not fit either
+                    break
         del ours_cpu
 
-    for row in rows:
+    equal = [r for r in rows if r["batch"] == args.batch]
+    for row in equal:
         for baseline, key in (("hf", "speedup_vs_hf"), ("hf-compile", "speedup_vs_hf_compile")):
-            base = next((r for r in rows if r["model"] == row["model"] and r["variant"] == baseline
+            base = next((r for r in equal if r["model"] == row["model"] and r["variant"] == baseline
                          and "error" not in r), None)
             if base and "error" not in row:
                 row[key] = row["tokens_per_s"] / base["tokens_per_s"]
     header = ("| model | variant | ms/step | tokens/s | TFLOP/s | MFU | x GEMM | x HF | x HF compiled | peak GiB | "
               "first step s | loss |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [header]
-    for r in rows:
+    for r in equal:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['variant']} | {r['error']} |||||||||")
             continue
@@ -262,12 +293,21 @@ def main() -> int:
                      f"{r.get('speedup_vs_hf', float('nan')):.2f} | {r.get('speedup_vs_hf_compile', float('nan')):.2f} | "
                      f"{r['peak_mem_gib']:.1f} | {r['first_step_s']:.1f} | {r['first_loss']:.4f} |")
     table = "\n".join(lines)
+    best = best_batches(rows) if args.batches else []
+    if best:
+        table += ("\n\nAt each variant's fastest fitting batch (of " + ", ".join(map(str, sorted({args.batch, *args.batches})))
+                  + "; x HF compiled: against HF compiled at its own fastest):\n\n"
+                  "| model | variant | batch | largest that fit | ms/step | tokens/s | MFU | peak GiB | x HF compiled |\n"
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|\n" + "\n".join(
+                      f"| {r['model']} | {r['variant']} | {r['batch']} | {r['largest_fit']} | {r['ms_per_step']:.1f} | "
+                      f"{r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_mem_gib']:.1f} | "
+                      f"{r.get('best_vs_hf_compile', float('nan')):.2f} |" for r in best))
     summary = (f"{env['device']}, torch {env['torch']}, transformers {env.get('transformers', '-')}; bf16 params + "
                f"fused AdamW; batch {args.batch}, inputs {args.input_length}, targets {args.target_length}; "
                f"{args.steps} timed steps after {args.warmup} warm-up; MFU vs the datasheet dense bf16 peak {peak} "
                f"TFLOP/s; x GEMM vs a bf16 {args.matmul_size}^3 matmul measured here, {ceiling:.1f} TFLOP/s")
     (out / "results.json").write_text(json.dumps({"env": env, "ceiling_tflops": ceiling, "peak_tflops": peak, "args": vars(args),
-                                                  "rows": rows}, indent=2))
+                                                  "rows": rows, "best_batch": best}, indent=2))
     (out / "results.md").write_text(summary + "\n\n" + table + "\n")
     print("\n" + summary + "\n\n" + table, flush=True)
     return 0
