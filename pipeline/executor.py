@@ -33,8 +33,9 @@ CLUSTER_TOKEN_ENV = "T5ZERO_PREP_CLUSTER"
 PROBE_TIMEOUT_S = 5.0
 # Run by the reaper (`python -c`): wait for EOF on stdin, then SIGKILL every process whose environment holds
 # T5ZERO_PREP_CLUSTER=<token> (Linux /proc; Ray's processes inherit the driver's environment) and every descendant
-# of one (a process that rewrote its environment block, as a long process title can, is still a child of the
-# raylet); sweep again until a sweep finds none, as a dying raylet may still start an agent.
+# of one; sweep again until a sweep finds none, as a dying raylet may still start an agent. Ray's fate-sharing
+# kills the raylet with the driver, as a rule before the first sweep: its agents are orphans by then and only their
+# token finds them (hence SPT_NOENV in `_start_reaper`).
 _REAPER_CODE = """
 import os, signal, sys, time
 sys.stdin.buffer.read()
@@ -129,6 +130,10 @@ def _start_reaper() -> subprocess.Popen | None:
         return None
     token = uuid.uuid4().hex
     os.environ[CLUSTER_TOKEN_ENV] = token
+    # Ray's process titles (its built-in setproctitle) would otherwise zero the start of the environment block that
+    # /proc shows, and the raylet passes its agents their environment in no fixed order: in about half the runs
+    # the token of the dashboard and runtime-env agents was wiped, and they outlived a kill -9 of the driver
+    os.environ.setdefault("SPT_NOENV", "1")
     env = {k: v for k, v in os.environ.items() if k != CLUSTER_TOKEN_ENV}
     return subprocess.Popen([sys.executable, "-c", _REAPER_CODE, CLUSTER_TOKEN_ENV, token], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
