@@ -2,7 +2,7 @@
 # The main job end to end on the built-in sample corpus (Python's own documentation text, no download),
 # on this machine's CPUs: set up ./.venv, train a tokenizer, write span-corruption shards on a local Ray
 # cluster, inspect and verify them, pretrain t5-tiny with ZeRO stage 2 on 2 gloo ranks, resume it, and run
-# the tiny ZeRO x loader-workers study. Everything lands under ./demo (rerunning reuses what is finished).
+# the tiny ZeRO x loader x workers study. Everything lands under ./demo (rerunning reuses what is finished).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup_env.sh
@@ -32,7 +32,7 @@ step "5/6 pretrain --resume: continue exactly from the step-12 checkpoint"
 pretrain --zero 2 --model t5-tiny --data "$OUT/shards" --out "$OUT/runs/zero2" --nproc 2 \
   --steps 24 --micro-batch 4 --global-batch 16 --lr 1e-3 --warmup-steps 4 --log-every 4 --resume
 
-step "6/6 study: t5-tiny x ZeRO 0-3 x loader workers {0, 2} on the same shard set"
+step "6/6 study: t5-tiny x ZeRO {0, 3} x loader {shards, online} x workers {0, 2} on the same shard set"
 study run configs/study/cpu-tiny.yaml --data "$OUT/shards" --out "$OUT/study"
 
 printf '\nDemo finished. Shards: %s/shards  run: %s/runs/zero2  study: %s/study/report.md\n' "$OUT" "$OUT" "$OUT"
