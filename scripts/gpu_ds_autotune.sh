@@ -7,6 +7,10 @@
 # pretrain/cli.py as the script (pretrain takes each experiment's --deepspeed_config: pretrain.cli), and puts the
 # log, summary.txt, ds_config_optimal.json and one line per experiment (its metrics.json) into $OUT/ds-autotune.
 # MICRO_BATCH_TRIALS (default 3) is its num_tuning_micro_batch_sizes: experiments per stage after the largest fitting.
+# It works in .gpu/ds-autotune/MODEL (DS_AUTOTUNE_DIR) with DeepSpeed's `overwrite: false`, and archives it as
+# ds-autotune.tar.gz into $OUT/ds-autotune on any exit: a call cut by its time goes on in the next one (unpack the
+# archive into that folder here, carry .gpu/ds-autotune, rerun the same command), the autotuner skipping every
+# experiment that finished (its model-info run too); the total time is the calls' "autotuner: rc ... after" sum.
 # Needs tabulate (in .whl from scripts/gpu_wheels.sh). What it searches and measures: docs/tune.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,14 +18,20 @@ MODEL=${1:?model}; DATA=${2:?shard set}; GLOBAL=${3:?global batch}; STAGES=${4:?
 SECONDS_FOR_TUNE=${5:-540}; shift $(( $# < 5 ? $# : 5 ))
 DEST=${OUT:-gpu-out}/ds-autotune; mkdir -p "$DEST"
 NAME=gpu_ds_autotune; [ -f scripts/gpu_env.sh ] && source scripts/gpu_env.sh
-WORK=$(mktemp -d /tmp/ds-autotune.XXXX)
+WORK=${DS_AUTOTUNE_DIR:-.gpu/ds-autotune/$MODEL}; mkdir -p "$WORK"
+finish() {
+  tar -czf "$DEST/ds-autotune.tar.gz" -C "$WORK" --exclude='checkpoints' . 2>/dev/null
+  ls -la "$DEST"
+}
+trap finish EXIT
 python3 - "$WORK/ds.json" "$GLOBAL" "$STAGES" "${MICRO_BATCH_TRIALS:-3}" <<'PY'
 import json, sys
 path, global_batch, stages = sys.argv[1], int(sys.argv[2]), [int(s) for s in sys.argv[3].split(",")]
 trials = int(sys.argv[4])
 json.dump({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
            "train_batch_size": "auto", "zero_optimization": {"stage": stages},
-           "autotuning": {"enabled": True, "fast": True, "start_profile_step": 3, "end_profile_step": 5,
+           "autotuning": {"enabled": True, "fast": True, "overwrite": False, "start_profile_step": 3,
+                          "end_profile_step": 5,
                           "max_train_batch_size": global_batch, "num_tuning_micro_batch_sizes": trials}},
           open(path, "w"), indent=1)
 PY
