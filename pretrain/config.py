@@ -23,6 +23,8 @@ ZERO_STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "cpu", "nvme")
 SCHEDULES = ("constant", "linear", "cosine", "inverse_sqrt")
 PRECISIONS = ("auto", "bf16", "fp32", "fp8")    # fp8: bf16 plus FP8 GEMMs in the blocks (pretrain.model.fp8)
+BF16_PRECISIONS = ("bf16", "fp8")   # trained in bf16 numbers by DeepSpeed's bf16 engine (fp8: FP8 GEMMs on top),
+                                    # so counted as bf16 in memory and measured against the bf16 peak
 LOADERS = ("shards", "online", "remote")   # pretrain.data: mmap'd shard set, text tokenised in the workers, s3 stream
 CPU_AFFINITIES = ("none", "split")
 GATHER_UNITS = ("block", "stack")     # ZeRO 3's unit of gathering; pretrain.model.zero3 maps each to a module

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pretrain.config import BF16_PRECISIONS
 from pretrain.model.flops import count_parameters
 
 GIB = float(1 << 30)
@@ -72,7 +73,7 @@ def estimate_memory(model_config, *, zero: int, offload: str, precision: str, wo
             cpu_bytes = 4 * params * per_node * 1.5      # each rank builds the fp32 model on the host first
         method = f"byte count of pretrain/model/memory.py (stage {zero}, bf16)"
     act_bytes = activation_bytes(model_config, micro_batch, input_length, target_length,
-                                 2 if precision in ("bf16", "fp8") else 4, activation_checkpointing, fused_attention)
+                                 2 if precision in BF16_PRECISIONS else 4, activation_checkpointing, fused_attention)
     per_gpu = (gpu_bytes + act_bytes) / GIB
     return {"per_gpu_gib": round(per_gpu, 3), "per_cpu_gib": round(cpu_bytes / GIB, 3),
             "model_states_gib": round(gpu_bytes / GIB, 3), "activations_gib": round(act_bytes / GIB, 3),
