@@ -59,11 +59,14 @@ RUN_FIELDS = frozenset({"out", "steps", "stop_after", "force", "save_every", "sa
 """Fields of a launch, not of a configuration (a rung's steps, its directory)."""
 
 
+NOT_COMPUTE_FIELDS = LOADING_FIELDS | RUN_FIELDS
+
+
 def compute_key(config) -> tuple:
     """What a configuration's step depends on: every field but the loading and launch ones. Equal keys, equal
     compute (the model's host-CPU terms aside, which the anchor's ratio carries over)."""
     return tuple(sorted((f.name, repr(getattr(config, f.name))) for f in dataclasses.fields(config)
-                        if f.name not in LOADING_FIELDS | RUN_FIELDS))
+                        if f.name not in NOT_COMPUTE_FIELDS))
 
 
 @dataclass
@@ -136,25 +139,22 @@ class CostModel:
         """Refit the weights and the loading costs on (config, figures) of every measured launch (figures:
         summarize_metrics of its steady steps: step_time_s, data_wait_s, cpu_loader_* seconds per step)."""
         self._refit_loading(measured, shape)
-        rows = [(self.terms_s(config, shape), m["step_time_s"] - (m.get("data_wait_s") or 0.0))
-                for config, m in measured if m.get("step_time_s")]
-        if not rows:
+        timed = [(config, m) for config, m in measured if m.get("step_time_s")]
+        if not timed:
             return
-        z = np.array([r[0] for r in rows])
-        y = np.array([max(r[1], 1e-6) for r in rows])
+        z = np.array([self.terms_s(config, shape) for config, _ in timed])      # each term's prior seconds
+        y = np.array([max(m["step_time_s"] - (m.get("data_wait_s") or 0.0), 1e-6) for _, m in timed])  # compute
         ridge = math.sqrt(PRIOR_STRENGTH)
         a = np.vstack([z / y[:, None], ridge * np.eye(len(TERMS))])
         b = np.concatenate([np.ones(len(y)), ridge * np.ones(len(TERMS))])
         solution, *_ = np.linalg.lstsq(a, b, rcond=None)
         self.weights = np.clip(solution, 0.02, None)
-        timed = [(config, m) for config, m in measured if m.get("step_time_s")]
         predicted = np.array([self.predict(config, shape, anchored=False)["step_time_s"] for config, _ in timed])
         actual = np.array([m["step_time_s"] for _, m in timed])
         self.residual = float(np.sqrt(np.mean((predicted / actual - 1.0) ** 2)))
         self.anchors = {}
-        for (config, _), (_, compute) in zip(timed, rows):
-            modelled = float((self.terms_s(config, shape) * self.weights).sum())
-            self.anchors.setdefault(compute_key(config), []).append(max(compute, 1e-6) / modelled)
+        for (config, _), modelled, compute in zip(timed, z @ self.weights, y):
+            self.anchors.setdefault(compute_key(config), []).append(float(compute / modelled))
 
     def _refit_loading(self, measured: list[tuple[Any, dict[str, Any]]], shape: Shape) -> None:
         per_mode: dict[str, list[float]] = {}
