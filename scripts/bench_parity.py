@@ -134,9 +134,11 @@ def run_settings(args, seed: int, variant: str) -> dict:
 
 
 def run_pool(runs: list[tuple[int, str]], args, report) -> dict[int, dict]:
-    """Each (seed, variant) as its own process of this script (`--result FILE`), args.jobs at a time; a failed run
-    stops the benchmark with its log's tail. A run whose result file is in OUT/runs with the same settings (an
-    interrupted benchmark rerun with the same --out) is read, not run again."""
+    """Each (seed, variant) as its own process of this script (`--result FILE`), args.jobs at a time. A run that
+    fails while others share the device (on one H200, four runs of t5-v1_1-base at batch 64 can exceed its memory)
+    does not stop the others: it runs again alone once they are done, and a second failure stops the benchmark with
+    its log's tail. A run whose result file is in OUT/runs with the same settings (an interrupted benchmark rerun
+    with the same --out) is read, not run again."""
     from concurrent.futures import ThreadPoolExecutor
     pool_dir = Path(args.out) / "runs"
     pool_dir.mkdir(parents=True, exist_ok=True)
@@ -152,20 +154,36 @@ def run_pool(runs: list[tuple[int, str]], args, report) -> dict[int, dict]:
             if earlier.get("settings") == run_settings(args, seed, variant):
                 print(f"seed {seed} {variant}: finished earlier ({result})", flush=True)
                 return seed, variant, earlier
+        if args.report:
+            raise SystemExit(f"bench_parity --report: {result} is missing or was made with other settings; "
+                             f"run the benchmark without --report to make it")
         command = [sys.executable, __file__, *forwarded, "--seeds", str(seed), "--result", str(result)]
         command += [*(["--pretrain"] if args.pretrain else []), "--variants", variant]
         with open(log, "w") as output:
             code = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT).returncode
         if code != 0:
-            raise SystemExit(f"bench_parity: seed {seed} {variant} failed (exit {code}):\n"
-                             + "\n".join(log.read_text().splitlines()[-20:]))
+            return seed, variant, {"failed": code, "tail": "\n".join(log.read_text().splitlines()[-20:])}
         return seed, variant, json.loads(result.read_text())
 
     results: dict[int, dict] = {seed: {} for seed, _ in runs}
+    failed: list[tuple[int, str]] = []
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         for seed, variant, result in pool.map(one, runs):
+            if "failed" in result:
+                print(f"seed {seed} {variant}: failed (exit {result['failed']}) beside other runs; "
+                      f"it runs again alone at the end. Its log's last line: {result['tail'].splitlines()[-1:]}",
+                      flush=True)
+                failed.append((seed, variant))
+                continue
             results[seed][variant] = result
             report(seed, variant, result)
+    for seed, variant in failed:
+        _, _, result = one((seed, variant))
+        if "failed" in result:
+            raise SystemExit(f"bench_parity: seed {seed} {variant} failed (exit {result['failed']}), alone too:\n"
+                             + result["tail"])
+        results[seed][variant] = result
+        report(seed, variant, result)
     return results
 
 
@@ -205,28 +223,43 @@ def tabulate(results: dict, variants: list[str], reference: str, window: int, st
 
 
 def plot(results: dict, variants: list[str], reference: str, window: int, path: Path) -> None:
-    """Loss curves (seed 0: per step, faint; window means, bold) and each variant's gap to the reference."""
+    """Loss curves of the first seed (per step, faint; window means, bold) and every seed's per-window gap of each
+    variant to the reference (one line style per seed), with HF compiled vs HF eager's spread shaded where both ran."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    seed = sorted(results)[0]
+    seeds = sorted(results)
     figure, (curves, gaps) = plt.subplots(2, 1, figsize=(9, 8), sharex=True)
+    styles = ["-", "--", ":", "-."]
+    spread = None
+    if "hf" in variants and "hf-compile" in variants:
+        spread = max(np.abs(np.subtract(window_means(results[s]["hf-compile"]["losses"], window),
+                                        window_means(results[s]["hf"]["losses"], window))).max() for s in seeds)
+        gaps.axhspan(-spread, spread, color="grey", alpha=0.15,
+                     label=f"HF compiled vs eager, max |gap| {spread:.3f}")
     for variant in variants:
-        losses = results[seed][variant]["losses"]
+        losses = results[seeds[0]][variant]["losses"]
         line, = curves.plot(losses, alpha=0.3, linewidth=0.8)
         centres = [i + window / 2 for i in range(0, len(losses), window)]
         curves.plot(centres, window_means(losses, window), color=line.get_color(), linewidth=2, marker="o",
                     label=variant)
-        if variant != reference:
-            gap = np.subtract(window_means(losses, window), window_means(results[seed][reference]["losses"], window))
-            gaps.plot(centres, gap, color=line.get_color(), marker="o", label=f"{variant} - {reference}")
+        if variant == reference:
+            continue
+        for n, seed in enumerate(seeds):
+            gap = np.subtract(window_means(results[seed][variant]["losses"], window),
+                              window_means(results[seed][reference]["losses"], window))
+            gaps.plot(centres, gap, color=line.get_color(), marker="o", linestyle=styles[n % len(styles)],
+                      label=f"{variant} - {reference}, seed {seed}")
+    first = [results[seeds[0]][v]["losses"] for v in variants]
+    curves.set_ylim(0.97 * min(min(l) for l in first), 1.1 * max(window_means(l, window)[0] for l in first))
     curves.set_ylabel("loss")
-    curves.set_title(f"loss parity, seed {seed} (bold: means of {window}-step windows)")
+    curves.set_title(f"loss parity, seed {seeds[0]} (bold: means of {window}-step windows)")
     curves.legend()
     gaps.axhline(0, color="grey", linewidth=0.8)
     gaps.set_xlabel("step")
     gaps.set_ylabel(f"window mean minus {reference}")
-    gaps.legend()
+    gaps.set_title(f"per-window gap to {reference}, seeds {', '.join(map(str, seeds))}")
+    gaps.legend(fontsize=7, ncol=2)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -255,6 +288,9 @@ def main() -> int:
                         help="(seed, variant) runs at once, each its own process on the same device (default 1: one "
                              "after the other). Each run builds the same weights and batches as alone; several at once "
                              "share the GPU (memory: about a quarter of an H200 each for t5-v1_1-base at batch 64)")
+    parser.add_argument("--report", action="store_true",
+                        help="run nothing: the table and plot again from the finished runs in OUT/runs (same flags "
+                             "as the benchmark that made them; e.g. on a machine without its GPU)")
     parser.add_argument("--result", help=argparse.SUPPRESS)    # internal: one (seed, variant) run's JSON (--jobs)
     args = parser.parse_args()
     if args.precision == "auto":
@@ -262,12 +298,17 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch._dynamo.config.cache_size_limit = 64
-    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
-    try:
-        import transformers
-        env["transformers"] = transformers.__version__
-    except ImportError:
-        pass
+    if args.report:                  # the machine the runs were made on, not this one
+        if not (out / "parity.json").is_file():
+            parser.error(f"--report: {out / 'parity.json'} is missing; it reads a finished benchmark's --out")
+        env = json.loads((out / "parity.json").read_text())["env"]
+    else:
+        env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+        try:
+            import transformers
+            env["transformers"] = transformers.__version__
+        except ImportError:
+            pass
     dataset = ShardDataset(args.data)
     per_epoch = len(dataset) // args.batch
     if per_epoch == 0:
@@ -314,7 +355,7 @@ def main() -> int:
     runs = [(seed, variant) for seed in args.seeds for variant in variants]
     results: dict[int, dict] = {seed: {} for seed in args.seeds}
     start = time.perf_counter()
-    if args.jobs <= 1:
+    if args.jobs <= 1 and not args.report:
         for seed, variant in runs:
             results[seed][variant] = run_one(seed, variant)
             report(seed, variant, results[seed][variant])

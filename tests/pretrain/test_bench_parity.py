@@ -1,0 +1,44 @@
+"""scripts/bench_parity.py's bookkeeping (issue 15): a `--jobs` pool keeps each finished run with its settings, a rerun
+reads them, and `--report` writes the table again from them without running anything (how a GPU benchmark's
+archive is read back on a machine without the GPU). Real runs: t5-tiny, eager, 4 steps on the tiny shard set."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_parity.py"
+
+
+def bench(shards: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(SCRIPT), "--data", str(shards), "--model", "t5-tiny", "--batch", "4",
+               "--steps", "4", "--window", "2", "--seeds", "0", "--variants", "ours", "hf", "--device", "cpu",
+               "--jobs", "2", "--out", str(out), *extra]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+
+def test_runs_are_kept_reused_and_reported(tiny_shards, tmp_path):
+    out = tmp_path / "parity"
+    first = bench(tiny_shards, out)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    table = (out / "parity.md").read_text()
+    assert "| loss, mean of steps | ours | hf |" in table and "| 2-3 |" in table
+    assert (out / "parity.png").stat().st_size > 0
+    kept = json.loads((out / "runs" / "ours-seed0.json").read_text())
+    assert len(kept["losses"]) == 4 and kept["settings"]["variant"] == "ours"
+
+    again = bench(tiny_shards, out)                 # the same flags: both runs read, none run again
+    assert again.returncode == 0
+    assert again.stdout.count("finished earlier") == 2
+    assert (out / "parity.md").read_text() == table
+
+    (out / "parity.md").unlink()
+    report = bench(tiny_shards, out, "--report")
+    assert report.returncode == 0 and (out / "parity.md").read_text() == table
+
+    other = bench(tiny_shards, out, "--report", "--lr", "1e-3")   # runs made with other settings are not reused
+    assert other.returncode != 0
+    assert "ours-seed0.json is missing or was made with other settings" in other.stderr
+    assert "Traceback" not in other.stderr
