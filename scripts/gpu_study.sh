@@ -21,8 +21,10 @@ python3 -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspee
 STUDY=${STUDY_DIR:-.gpu/studies/$(basename "$GRID" .yaml)}
 finish() {   # whatever ended the study (its time, an error): the report and the archive of what is finished
   python3 -m pretrain.study.cli report "$STUDY" 2>&1 | tee -a "$DEST/study.log"
-  tar -czf "$DEST/runs.tar.gz" -C "$STUDY" --exclude='checkpoints' --exclude='tb' --exclude='*.gate' study.json runs \
-    logs 2>/dev/null
+  # a profiled point's Chrome trace (trace-rank0.json.gz, tens of MiB at mt5-xl) stays there: its summary.json and
+  # ops.txt come back, and a call brings back at most 16 MiB a file
+  tar -czf "$DEST/runs.tar.gz" -C "$STUDY" --exclude='checkpoints' --exclude='tb' --exclude='*.gate' \
+    --exclude='trace-rank0.json.gz' study.json runs logs 2>/dev/null
   ls -la "$DEST"
 }
 trap finish EXIT

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,3 +85,28 @@ def test_a_real_cpu_trace(tmp_path):
     assert summary["device_events"] == 0 and summary["window_s"] > 0
     assert summary["host_phases"]["forward"]["calls"] == 1
     assert "no device kernels" in describe(summary, steps=1)
+
+
+def test_profile_table_of_a_study(tmp_path):
+    # scripts/profile_table.py over a study's runs/: the synthetic trace above as one point's profile, 2 steps
+    events = [kernel("nvjet_gemm", 0, 300), kernel("fmha_cutlassB", 500, 200),
+              kernel("ncclDevKernel_AllGather", 250, 200, stream=20)]
+    run = tmp_path / "study" / "runs" / "mt5-xl-z3"
+    (run / "profile").mkdir(parents=True)
+    with gzip.open(run / "profile" / "trace-rank0.json.gz", "wt") as handle:
+        json.dump({"traceEvents": events}, handle)
+    summary = {"steps": 2, **summarize_trace(run / "profile" / "trace-rank0.json.gz", window_s=1000e-6)}
+    (run / "profile" / "summary.json").write_text(json.dumps(summary))
+    (run / "config.json").write_text(json.dumps({"model": "mt5-xl", "zero": 3, "offload": "none",
+                                                 "micro_batch": 16, "global_batch": 32}))
+    script = Path(__file__).resolve().parents[2] / "scripts" / "profile_table.py"
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "study"), "--out", str(tmp_path / "t.md")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    line = next(line for line in (tmp_path / "t.md").read_text().splitlines() if line.startswith("| mt5-xl"))
+    cells = [cell.strip() for cell in line.strip("|").split("|")]
+    assert cells[:2] == ["mt5-xl ZeRO 3, micro 16 x 2", "0.5"]          # 1000 us over 2 steps, in ms
+    assert cells[2] == "30.0%" and cells[4] == "20.0%" and cells[10] == "20.0%" and cells[-1] == "35.0%"
+    empty = subprocess.run([sys.executable, str(script), str(tmp_path / "study" / "runs" / "nothing-here")],
+                           capture_output=True, text=True)
+    assert empty.returncode == 2 and "no such directory" in empty.stderr and "Traceback" not in empty.stderr
