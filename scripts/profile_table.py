@@ -40,18 +40,21 @@ def find_profiles(paths: list[Path]) -> list[Path]:
 def row(summary_path: Path) -> dict:
     summary = json.loads(summary_path.read_text())
     run_dir = summary_path.parent.parent
-    config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
+    # the run's config.json as pretrain writes it: the TrainConfig under "train", what it resolved beside it
+    launched = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
+    train = launched.get("train", {})
     steps = summary.get("steps") or 1
     window = summary.get("window_s") or 0.0
     families = summary.get("families", {})
     shares = {family: (families.get(family, {}).get("seconds", 0.0) / window if window else None)
               for family, _ in COLUMNS}
     busy = summary.get("device_busy_share")
-    offload = config.get("offload", "none")
-    what = (f"{config.get('model', '?')} ZeRO {config.get('zero', '?')}"
-            f"{'' if offload in (None, 'none') else ' + ' + offload + ' offload'}, micro {config.get('micro_batch', '?')}"
-            f" x {max(1, config.get('global_batch', 0) // max(1, config.get('micro_batch', 1)))}")
-    return {"run": run_dir.name, "what": what, "step_s": window / steps if window else None,
+    offload = train.get("offload", "none")
+    ranks = launched.get("world_size", 1)
+    what = (f"{train.get('model', '?')} ZeRO {train.get('zero', '?')}"
+            f"{'' if offload in (None, 'none') else ' + ' + offload + ' offload'}, micro {train.get('micro_batch', '?')}"
+            f" x {launched.get('grad_accum', '?')}{f' x {ranks} ranks' if ranks > 1 else ''}")
+    return {"what": what, "step_s": window / steps if window else None,
             "device_events": summary.get("device_events", 0), "shares": shares,
             "idle": None if busy is None else 1.0 - busy}
 

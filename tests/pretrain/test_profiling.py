@@ -97,8 +97,9 @@ def test_profile_table_of_a_study(tmp_path):
         json.dump({"traceEvents": events}, handle)
     summary = {"steps": 2, **summarize_trace(run / "profile" / "trace-rank0.json.gz", window_s=1000e-6)}
     (run / "profile" / "summary.json").write_text(json.dumps(summary))
-    (run / "config.json").write_text(json.dumps({"model": "mt5-xl", "zero": 3, "offload": "none",
-                                                 "micro_batch": 16, "global_batch": 32}))
+    (run / "config.json").write_text(json.dumps({       # the shape pretrain writes: TrainConfig under "train"
+        "train": {"model": "mt5-xl", "zero": 3, "offload": "none", "micro_batch": 16, "global_batch": 32},
+        "model": {"d_model": 2048}, "world_size": 1, "grad_accum": 2, "global_batch": 32}))
     script = Path(__file__).resolve().parents[2] / "scripts" / "profile_table.py"
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "study"), "--out", str(tmp_path / "t.md")],
                           capture_output=True, text=True)
