@@ -42,3 +42,22 @@ def test_runs_are_kept_reused_and_reported(tiny_shards, tmp_path):
     assert other.returncode != 0
     assert "ours-seed0.json is missing or was made with other settings" in other.stderr
     assert "Traceback" not in other.stderr
+
+
+def test_pretrain_mode_replaces_an_unfinished_run_and_turns_the_spike_guard_off(tiny_shards, tmp_path):
+    """--pretrain runs `pretrain` itself: what an earlier, cut attempt left in the run's directory is removed (pretrain
+    refuses a used --out, which once stopped the GPU benchmark's retry), and every run has the spike guard off, so
+    that a spike skipped in one variant only does not move its curve."""
+    out = tmp_path / "parity"
+    stale = out / "runs" / "pretrain-seed0"
+    stale.mkdir(parents=True)
+    (stale / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    command = [sys.executable, str(SCRIPT), "--pretrain", "--data", str(tiny_shards), "--model", "t5-tiny",
+               "--batch", "4", "--steps", "3", "--window", "3", "--seeds", "0", "--variants", "pretrain",
+               "--device", "cpu", "--jobs", "2", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    records = [json.loads(line) for line in (stale / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert json.loads((stale / "config.json").read_text())["train"]["spike_sigmas"] == 0
+    assert json.loads((out / "runs" / "pretrain-seed0.json").read_text())["settings"]["spike_sigmas"] == 0
