@@ -4,13 +4,19 @@
     python3 scripts/profile_table.py RUN_OR_STUDY_DIR... [--out table.md]
 
 Reads every `profile/summary.json` that `pretrain --profile-steps N` wrote under the given run directories (a
-study's `runs/` holds one per point) and its run's `config.json`. One row per run: the profiled steps' wall time
-per step, then the share of that time each kernel family kept the GPU busy (pretrain/profiling.py FAMILIES: GEMMs,
-attention forward, attention backward with the position-bias gradient, the embedding and bias-bucket gradients,
-norms, Inductor's other fused elementwise and reduction kernels, the loss, the optimizer, NCCL collectives, copies),
-and the share the GPU sat idle (host gaps: launches, Python, host-side optimizer or offload work). Family shares
-are summed kernel time over the window: kernels on two streams at once (a collective beside compute) count twice,
-so a row can add up to more than 100% less the idle share.
+study's `runs/` holds one per point), its run's `config.json` and `summary.json`. One row per run: the median
+step time of the run's unprofiled steady steps (the profiler slows the steps it traces, mostly on the host: a
+traced mt5-xl ZeRO 3 step took 1.53 s against 0.86 s untraced, with the same GPU busy time), then the share of that
+step each kernel family kept the GPU busy (pretrain/profiling.py FAMILIES: GEMMs, attention forward, attention
+backward with the position-bias gradient, the embedding and bias-bucket gradients, norms, Inductor's other fused
+elementwise and reduction kernels, the loss, the optimizer, NCCL collectives, copies), and the share the GPU sat
+idle (host gaps: launches, Python, hooks, host-side optimizer or offload work). Kernel time per step is the traced
+steps' (a kernel runs as long traced or not); the idle share is what the busy time leaves of the untraced step.
+Family shares are summed kernel time: kernels on two streams at once (a collective beside compute) count twice, so
+a row can add up to more than 100% less the idle share. A run without an untraced steady step falls back to the
+traced steps' wall time (the step column then says "traced"). Settings that differ between the rows beyond model,
+stage, offload, micro batch and ranks (a study's other axes, e.g. stage3_param_persistence_threshold) are named in
+the run column.
 """
 
 from __future__ import annotations
@@ -37,39 +43,56 @@ def find_profiles(paths: list[Path]) -> list[Path]:
     return list(dict.fromkeys(found))
 
 
+LABELLED = frozenset({"model", "zero", "offload", "micro_batch", "nproc", "nnodes"})   # already in the run column
+UNLABELLED = frozenset({"out", "data", "resume", "cache_dir", "profile_steps", "steps", "steady_skip", "log_every"})
+
+
 def row(summary_path: Path) -> dict:
     summary = json.loads(summary_path.read_text())
     run_dir = summary_path.parent.parent
     # the run's config.json as pretrain writes it: the TrainConfig under "train", what it resolved beside it
     launched = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
+    run_summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
     train = launched.get("train", {})
     steps = summary.get("steps") or 1
     window = summary.get("window_s") or 0.0
+    untraced = (run_summary.get("median") or {}).get("step_time_s")
+    step = untraced or (window / steps if window else None)
     families = summary.get("families", {})
-    shares = {family: (families.get(family, {}).get("seconds", 0.0) / window if window else None)
+    shares = {family: (families.get(family, {}).get("seconds", 0.0) / steps / step if step else None)
               for family, _ in COLUMNS}
-    busy = summary.get("device_busy_share")
+    busy = summary.get("device_busy_s")
     offload = train.get("offload", "none")
     ranks = launched.get("world_size", 1)
     what = (f"{train.get('model', '?')} ZeRO {train.get('zero', '?')}"
             f"{'' if offload in (None, 'none') else ' + ' + offload + ' offload'}, micro {train.get('micro_batch', '?')}"
             f" x {launched.get('grad_accum', '?')}{f' x {ranks} ranks' if ranks > 1 else ''}")
-    return {"what": what, "step_s": window / steps if window else None,
+    return {"what": what, "train": train, "step_s": step, "traced": not untraced,
+            "traced_step_s": window / steps if window else None,
             "device_events": summary.get("device_events", 0), "shares": shares,
-            "idle": None if busy is None else 1.0 - busy}
+            "idle": None if busy is None or not step else max(0.0, 1.0 - busy / steps / step)}
+
+
+def name_differences(rows: list[dict]) -> None:
+    """Append to each row's label the settings that differ between the rows and are not in the label already."""
+    keys = sorted({key for r in rows for key in r["train"]} - LABELLED - UNLABELLED)
+    differing = [key for key in keys if len({json.dumps(r["train"].get(key), sort_keys=True) for r in rows}) > 1]
+    for r in rows:
+        r["what"] += "".join(f", {key}={r['train'].get(key)}" for key in differing)
 
 
 def table(rows: list[dict]) -> str:
-    head = ["run", "step (ms)", *(title for _, title in COLUMNS), "GPU idle (host gaps)"]
+    head = ["run", "step (ms)", "traced step (ms)", *(title for _, title in COLUMNS), "GPU idle (host gaps)"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     percent = lambda share: "-" if share is None else f"{100 * share:.1f}%"   # noqa: E731
+    ms = lambda seconds: "-" if seconds is None else f"{1000 * seconds:.1f}"   # noqa: E731
     for r in rows:
         if not r["device_events"]:
             cells = ["no device kernels (a CPU run: see its ops.txt)"] + [""] * (len(COLUMNS))
         else:
             cells = [percent(r["shares"][family]) for family, _ in COLUMNS] + [percent(r["idle"])]
-        step = "-" if r["step_s"] is None else f"{1000 * r['step_s']:.1f}"
-        lines.append(f"| {r['what']} | {step} | " + " | ".join(cells) + " |")
+        step = ms(r["step_s"]) + (" (traced)" if r["traced"] else "")
+        lines.append(f"| {r['what']} | {step} | {ms(r['traced_step_s'])} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -87,7 +110,9 @@ def main() -> int:
         print(f"profile_table: no profile/summary.json under {', '.join(map(str, args.paths))}; run pretrain with "
               f"--profile-steps N (a study: profile_steps in its grid's base)", file=sys.stderr)
         return 2
-    text = table([row(path) for path in profiles])
+    rows = [row(path) for path in profiles]
+    name_differences(rows)
+    text = table(rows)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")

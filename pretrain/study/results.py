@@ -105,9 +105,10 @@ def read_results_csv(path: str | os.PathLike) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------------------------ one point
 
 def summarize_metrics(metrics: list[dict[str, Any]], skip_steps: int) -> dict[str, Any]:
-    """Steady-state figures of one run's metrics (steps after `skip_steps`; pretrain.metrics.steady_state_figures);
-    peak memory is the max of all steps."""
-    steady = [m for m in metrics if int(m.get("step", 0)) > skip_steps]
+    """Steady-state figures of one run's metrics (steps after `skip_steps`, less the steps run under the profiler,
+    as pretrain's own summary.json; pretrain.metrics.steady_state_figures); peak memory is the max of all steps."""
+    after_skip = [m for m in metrics if int(m.get("step", 0)) > skip_steps]
+    steady = [m for m in after_skip if not m.get("profiled")] or after_skip[-1:]
     out: dict[str, Any] = {"steps_done": len(metrics), "steps_measured": len(steady)}
     if not steady:
         return out

@@ -88,26 +88,37 @@ def test_a_real_cpu_trace(tmp_path):
 
 
 def test_profile_table_of_a_study(tmp_path):
-    # scripts/profile_table.py over a study's runs/: the synthetic trace above as one point's profile, 2 steps
+    # scripts/profile_table.py over a study's runs/: the synthetic trace above as two points' profiles, 2 steps each;
+    # one point also has its untraced steps' median (pretrain's summary.json) and another persistence threshold
     events = [kernel("nvjet_gemm", 0, 300), kernel("fmha_cutlassB", 500, 200),
               kernel("ncclDevKernel_AllGather", 250, 200, stream=20)]
-    run = tmp_path / "study" / "runs" / "mt5-xl-z3"
-    (run / "profile").mkdir(parents=True)
-    with gzip.open(run / "profile" / "trace-rank0.json.gz", "wt") as handle:
-        json.dump({"traceEvents": events}, handle)
-    summary = {"steps": 2, **summarize_trace(run / "profile" / "trace-rank0.json.gz", window_s=1000e-6)}
-    (run / "profile" / "summary.json").write_text(json.dumps(summary))
-    (run / "config.json").write_text(json.dumps({       # the shape pretrain writes: TrainConfig under "train"
-        "train": {"model": "mt5-xl", "zero": 3, "offload": "none", "micro_batch": 16, "global_batch": 32},
-        "model": {"d_model": 2048}, "world_size": 1, "grad_accum": 2, "global_batch": 32}))
+    for name, threshold, untraced_s in (("mt5-xl-z3-a", None, None), ("mt5-xl-z3-b", 10 ** 12, 0.001)):
+        run = tmp_path / "study" / "runs" / name
+        (run / "profile").mkdir(parents=True)
+        with gzip.open(run / "profile" / "trace-rank0.json.gz", "wt") as handle:
+            json.dump({"traceEvents": events}, handle)
+        summary = {"steps": 2, **summarize_trace(run / "profile" / "trace-rank0.json.gz", window_s=1000e-6)}
+        (run / "profile" / "summary.json").write_text(json.dumps(summary))
+        (run / "config.json").write_text(json.dumps({       # the shape pretrain writes: TrainConfig under "train"
+            "train": {"model": "mt5-xl", "zero": 3, "offload": "none", "micro_batch": 16, "global_batch": 32,
+                      "stage3_param_persistence_threshold": threshold, "out": str(run)},
+            "model": {"d_model": 2048}, "world_size": 1, "grad_accum": 2, "global_batch": 32}))
+        if untraced_s:
+            (run / "summary.json").write_text(json.dumps({"median": {"step_time_s": untraced_s}}))
     script = Path(__file__).resolve().parents[2] / "scripts" / "profile_table.py"
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "study"), "--out", str(tmp_path / "t.md")],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    line = next(line for line in (tmp_path / "t.md").read_text().splitlines() if line.startswith("| mt5-xl"))
-    cells = [cell.strip() for cell in line.strip("|").split("|")]
-    assert cells[:2] == ["mt5-xl ZeRO 3, micro 16 x 2", "0.5"]          # 1000 us over 2 steps, in ms
-    assert cells[2] == "30.0%" and cells[4] == "20.0%" and cells[10] == "20.0%" and cells[-1] == "35.0%"
+    lines = [line for line in (tmp_path / "t.md").read_text().splitlines() if line.startswith("| mt5-xl")]
+    traced, untraced = ([cell.strip() for cell in line.strip("|").split("|")] for line in lines)
+    # no untraced median: the traced window per step (1000 us over 2 steps), its shares of that
+    assert traced[:3] == ["mt5-xl ZeRO 3, micro 16 x 2, stage3_param_persistence_threshold=None", "0.5 (traced)",
+                          "0.5"]
+    assert traced[3] == "30.0%" and traced[5] == "20.0%" and traced[11] == "20.0%" and traced[-1] == "35.0%"
+    # the untraced 1 ms step: the same kernel time per step (150 us of GEMM) over it, the rest idle
+    assert untraced[:3] == ["mt5-xl ZeRO 3, micro 16 x 2, stage3_param_persistence_threshold=1000000000000",
+                            "1.0", "0.5"]
+    assert untraced[3] == "15.0%" and untraced[5] == "10.0%" and untraced[-1] == "67.5%"
     empty = subprocess.run([sys.executable, str(script), str(tmp_path / "study" / "runs" / "nothing-here")],
                            capture_output=True, text=True)
     assert empty.returncode == 2 and "no such directory" in empty.stderr and "Traceback" not in empty.stderr
