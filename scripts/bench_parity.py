@@ -8,7 +8,8 @@ built with the seed, HF's made from them by pretrain.model.hf.to_hf) and trains 
 order (the trainer's GlobalOrderSampler over the shard set, seeded likewise) with torch AdamW, lr 5e-4 after a
 linear warmup of 50 steps (the trainer's LRSchedule, constant), gradient-norm clip 1.0; fp32 parameters under bf16
 autocast on CUDA, plain fp32 on CPU (`--precision` overrides). Variants: ours (eager), ours-compile
-(`T5Model.compile_regions`), hf (eager), hf-compile (`torch.compile` of the whole HF model, dynamic=False).
+(`T5Model.compile_regions`), hf (eager), hf-compile (`torch.compile` of the whole HF model, dynamic=False), and
+when named, ours-compile-flex (ours compiled with `attention: flex`, docs/model.md; CUDA only).
 
 `--pretrain` runs `pretrain` itself instead (DeepSpeed, bf16 parameters, ZeRO 2 on one process, the same data,
 seed and schedule; its spike guard off, see run_pretrain), once without and once with `--compile`, and tabulates their metrics.jsonl losses the same
@@ -50,6 +51,8 @@ from pretrain.preflight import resolve_vocab_size  # noqa: E402
 from pretrain.trainer import LRSchedule  # noqa: E402
 
 VARIANTS = ("ours", "ours-compile", "hf", "hf-compile")
+OPT_IN_VARIANTS = ("ours-compile-flex",)   # named in --variants only: `attention: flex`, compiled (CUDA: its backward
+# has no CPU kernel), the parity issue 19's FlexAttention lever needs before it can be the default
 PRETRAIN_VARIANTS = ("pretrain", "pretrain-compile")
 
 
@@ -69,12 +72,13 @@ def prepare(variant: str, ours_cpu: T5Model, device: str) -> torch.nn.Module:
         from pretrain.model.hf import to_hf
         model = to_hf(ours_cpu)
     else:
-        model = T5Model(dataclasses.replace(ours_cpu.config))
+        attention = "flex" if variant == "ours-compile-flex" else ours_cpu.config.attention
+        model = T5Model(dataclasses.replace(ours_cpu.config, attention=attention))
         model.load_state_dict(ours_cpu.state_dict())
     model = model.to(device=device, dtype=torch.float32).train()
     if variant == "hf-compile":
         model = torch.compile(model, dynamic=False)
-    elif variant == "ours-compile":
+    elif variant in ("ours-compile", "ours-compile-flex"):
         model.compile_regions()
     return model
 
@@ -276,8 +280,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", required=True, help="shard set written by `prep corpus`")
     parser.add_argument("--model", default="t5-v1_1-base", help="model preset (configs/models/*.yaml)")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS + PRETRAIN_VARIANTS, metavar="VARIANT",
-                        help=f"any of {', '.join(VARIANTS)} (default all), or with --pretrain of "
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS + OPT_IN_VARIANTS + PRETRAIN_VARIANTS,
+                        metavar="VARIANT", help=f"any of {', '.join(VARIANTS)} (default all) and "
+                             f"{', '.join(OPT_IN_VARIANTS)} (CUDA), or with --pretrain of "
                              f"{', '.join(PRETRAIN_VARIANTS)} (default both)")
     parser.add_argument("--pretrain", action="store_true", help="run `pretrain` (DeepSpeed ZeRO 2) eager and --compile")
     parser.add_argument("--steps", type=int, default=400)
@@ -320,8 +325,8 @@ def main() -> int:
     per_epoch = len(dataset) // args.batch
     if per_epoch == 0:
         parser.error(f"--batch {args.batch} is larger than the shard set ({len(dataset)} examples)")
-    allowed = PRETRAIN_VARIANTS if args.pretrain else VARIANTS
-    variants = args.variants or list(allowed)
+    allowed = PRETRAIN_VARIANTS if args.pretrain else VARIANTS + OPT_IN_VARIANTS
+    variants = args.variants or list(PRETRAIN_VARIANTS if args.pretrain else VARIANTS)
     if set(variants) - set(allowed):
         parser.error(f"--variants {' '.join(variants)}: {'with' if args.pretrain else 'without'} --pretrain the "
                      f"variants are {', '.join(allowed)}")
