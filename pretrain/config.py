@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,9 +21,7 @@ from pipeline.settings import add_flags, build_settings, merged_settings, settin
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "cpu", "nvme")
 SCHEDULES = ("constant", "linear", "cosine", "inverse_sqrt")
-PRECISIONS = ("auto", "bf16", "fp32", "fp8")    # fp8: bf16 plus FP8 GEMMs in the blocks (pretrain.model.fp8)
-BF16_PRECISIONS = ("bf16", "fp8")   # trained in bf16 numbers by DeepSpeed's bf16 engine (fp8: FP8 GEMMs on top),
-                                    # so counted as bf16 in memory and measured against the bf16 peak
+PRECISIONS = ("auto", "bf16", "fp32")
 LOADERS = ("shards", "online", "remote")   # pretrain.data: mmap'd shard set, text tokenised in the workers, s3 stream
 CPU_AFFINITIES = ("none", "split")
 GATHER_UNITS = ("block", "stack")     # ZeRO 3's unit of gathering; pretrain.model.zero3 maps each to a module
@@ -57,11 +54,7 @@ class TrainConfig:
     adam_beta2: float = setting(0.999, "AdamW beta2")
     adam_eps: float = setting(1e-8, "AdamW epsilon")
     grad_clip: float = setting(1.0, "gradient-norm clip, 0 disables")
-    precision: str = setting("auto", "auto: bf16 on GPU, fp32 on CPU (also --bf16 / --fp32); fp8: bf16 (DeepSpeed's "
-                                     "bf16 engine) with the encoder/decoder blocks' linear layers as FP8 GEMMs "
-                                     "through torchao (GPUs of compute capability >= 8.9; emulated on CPU; the "
-                                     "embedding and the LM head stay bf16; needs `pip install torchao`)",
-                             choices=PRECISIONS)
+    precision: str = setting("auto", "auto: bf16 on GPU, fp32 on CPU (also --bf16 / --fp32)", choices=PRECISIONS)
     activation_checkpointing: bool = setting(False, "recompute activations in backward")
     compile: bool = setting(False, "torch.compile each block's forward and the loss chunk (every stage; "
                                    "~10-30 s on the first step)")
@@ -154,9 +147,6 @@ class TrainConfig:
                               ("loader", LOADERS), ("cpu_affinity", CPU_AFFINITIES)):
             need(getattr(self, name) in allowed,
                  f"--{name.replace('_', '-')} must be one of {', '.join(map(str, allowed))}; got {getattr(self, name)!r}")
-        need(self.precision != "fp8" or importlib.util.find_spec("torchao") is not None,   # found, not imported
-             "--precision fp8 needs torchao (its float8 training), which is not installed: pip install torchao "
-             "(or pip install -e '.[fp8]')")
         need(self.offload == "none" or self.zero >= 1,
              "--offload needs ZeRO stage 1 or higher (stage 0 keeps everything on the device); use --zero 2 or 3")
         need(self.offload != "nvme" or self.zero == 3,

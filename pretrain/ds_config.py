@@ -5,9 +5,9 @@
 Filled in from the flags: batch sizes (train_batch_size = micro x accumulation x world), the AdamW optimizer
 (torch's AdamW on CPU via "torch_adam"; DeepSpeed's FusedAdam on GPU; DeepSpeedCPUAdam when the optimizer
 is offloaded to the host, which DeepSpeed picks by itself), precision (bf16 on GPU, fp32 on CPU unless the
-flags say otherwise; fp8 is bf16 for the engine), offload of the optimizer (stages 1-3) and parameters (stage 3)
-to cpu or nvme, gradient clipping and the stage-3 prefetch / persistence tunables. A YAML `deepspeed:` mapping in
---config is merged last, key by key, for anything else.
+flags say otherwise), offload of the optimizer (stages 1-3) and parameters (stage 3) to cpu or nvme,
+gradient clipping and the stage-3 prefetch / persistence tunables. A YAML `deepspeed:` mapping in --config is
+merged last, key by key, for anything else.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from pipeline.common import CONFIGS_DIR, UserError
-from pretrain.config import BF16_PRECISIONS, STAGE3_TUNABLES, TrainConfig
+from pretrain.config import STAGE3_TUNABLES, TrainConfig
 
 DEEPSPEED_CONFIGS = CONFIGS_DIR / "deepspeed"
 
@@ -31,8 +31,7 @@ def load_stage_template(zero: int) -> dict[str, Any]:
 
 
 def resolve_precision(precision: str, accelerator: str) -> str:
-    """'auto' -> bf16 on a GPU, fp32 on CPU; explicit choices are kept (fp8 too: the engine runs it as bf16,
-    `BF16_PRECISIONS`, and the trainer converts the blocks' linears, `pretrain.model.fp8`)."""
+    """'auto' -> bf16 on a GPU, fp32 on CPU; explicit choices are kept."""
     if precision == "auto":
         return "fp32" if accelerator == "cpu" else "bf16"
     return precision
@@ -65,7 +64,7 @@ def build_ds_config(config: TrainConfig, *, world_size: int, grad_accum: int, ac
             ds["zero_force_ds_cpu_optimizer"] = False
     ds["optimizer"] = {"type": "AdamW", "params": adam}
     precision = resolve_precision(config.precision, accelerator)
-    ds["bf16"] = {"enabled": precision in BF16_PRECISIONS}
+    ds["bf16"] = {"enabled": precision == "bf16"}
     ds["fp16"] = {"enabled": False}
     if config.offload != "none":
         target = {"device": config.offload, "pin_memory": accelerator != "cpu"}

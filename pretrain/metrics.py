@@ -13,8 +13,7 @@ step_time_s = data_wait_s + compute_s. forward_s, backward_s and optimizer_s (PH
 device stream's time from the start of each forward to its end, to the end of its backward, and over the
 optimizer step (CUDA events, no extra synchronisation; the host clock on CPU); what compute_s holds beyond them is
 communication outside those calls and host gaps. MFU divides tflops_per_gpu by the device's datasheet dense peak
-(PEAK_TFLOPS, the field's convention: H100/H200 SXM bf16 989.4 TFLOP/s, fp32 67; A100 bf16 312, fp32 19.5;
---precision fp8 against the bf16 peak);
+(PEAK_TFLOPS, the field's convention: H100/H200 SXM bf16 989.4 TFLOP/s, fp32 67; A100 bf16 312, fp32 19.5);
 on CPU there is no meaningful peak, so mfu is null unless --peak-tflops names one.
 """
 
@@ -28,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.common import atomic_write_bytes, atomic_write_json
-from pretrain.config import BF16_PRECISIONS
 from pretrain.hostcpu import HOST_KEYS
 
 METRICS_NAME = "metrics.jsonl"
@@ -77,14 +75,12 @@ class PhaseClock:
 
 
 def peak_tflops_for(device_name: str, precision: str, override: float | None) -> float | None:
-    """Per-device peak TFLOP/s for MFU: the flag, else the table by device name, else None (CPU). fp8 runs are
-    measured against the bf16 peak (issue 19: throughput and MFU on the bf16 basis, so that an fp8 run's MFU is
-    directly comparable with a bf16 run's; against the FP8 datasheet peak, twice bf16's, it would be half)."""
+    """Per-device peak TFLOP/s for MFU: the flag, else the table by device name, else None (CPU)."""
     if override:
         return float(override)
     for key, peaks in PEAK_TFLOPS.items():
         if key in device_name:
-            return peaks.get("bf16" if precision in BF16_PRECISIONS else precision)
+            return peaks.get(precision)
     return None
 
 

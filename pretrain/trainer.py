@@ -177,9 +177,6 @@ class Trainer:
                                                     workers=config.loader_workers)
         set_omp_threads(config.omp_num_threads, torch.set_num_threads)
         self.resume_tag = self._prepare_resume() if config.resume else None
-        if config.precision == "fp8":   # torchao there and FP8 on this device (or emulated on CPU): before the build
-            from pretrain.model.fp8 import convert_to_fp8, require_fp8
-            require_fp8(self.device)
         if config.zero == 3:     # the partitioned build already puts weights on the devices
             self._wait_for_start_gate()
         with startup_threads(env.local_world_size, torch.get_num_threads, torch.set_num_threads) as threads:
@@ -189,10 +186,6 @@ class Trainer:
         self.timeline.mark("model_built")
         if config.zero < 3:      # built on the host: wait for the devices only now
             self._wait_for_start_gate()
-        if config.precision == "fp8":   # the blocks' linears as FP8 GEMMs, before compiling and the engine
-            self.model_init["fp8_linears"] = len(convert_to_fp8(
-                model, self.device, token_counts=(config.micro_batch * plan.input_length,
-                                                  config.micro_batch * plan.target_length)))
         if config.compile:
             model.compile_regions()
         schedule = LRSchedule(config.schedule, config.warmup_steps, config.steps, config.min_lr_ratio)

@@ -18,10 +18,7 @@ compiled's own fastest (the memory a variant saves, turned into throughput), bes
 
 Variants: hf, hf-compile (transformers, eager / whole-model torch.compile); ours, ours-compile (eager /
 `compile_regions`); ours-compile-flex (`compile_regions` with `attention="flex"`: the self-attentions by
-FlexAttention, the position bias added inside the kernel; CUDA only, PyTorch has no FlexAttention backward on CPU);
-ours-fp8, ours-compile-fp8 (the blocks' linears as FP8 GEMMs, `pretrain.model.fp8.convert_to_fp8`, what
-`pretrain --precision fp8` trains; needs torchao and a GPU of compute capability >= 8.9, emulated on CPU). MFU stays
-against the bf16 peak for them, so that it compares with the bf16 variants'.
+FlexAttention, the position bias added inside the kernel; CUDA only, PyTorch has no FlexAttention backward on CPU).
 """
 
 from __future__ import annotations
@@ -40,11 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pretrain.metrics import peak_tflops_for  # noqa: E402
 from pretrain.model.flops import count_parameters, train_step_flops  # noqa: E402
-from pretrain.model.fp8 import convert_to_fp8  # noqa: E402
 from pretrain.model.hf import to_hf  # noqa: E402
 from pretrain.model.t5 import T5Model, build  # noqa: E402
 
-VARIANTS = ("hf", "hf-compile", "ours", "ours-compile", "ours-compile-flex", "ours-fp8", "ours-compile-fp8")
+VARIANTS = ("hf", "hf-compile", "ours", "ours-compile", "ours-compile-flex")
 
 
 def sync(device: str) -> None:
@@ -132,9 +128,8 @@ def make_step(variant: str, model, batch):
     return step
 
 
-def prepare(variant: str, ours_cpu, device: str, token_counts: tuple[int, ...] = ()):
-    """A bf16 copy of the model for `variant` on `device`, with ours_cpu's weights (HF variants via to_hf);
-    *-fp8: its block linears converted to FP8 (token_counts: the GEMMs' row counts, see convert_to_fp8)."""
+def prepare(variant: str, ours_cpu, device: str):
+    """A bf16 copy of the model for `variant` on `device`, with ours_cpu's weights (HF variants via to_hf)."""
     if variant.startswith("hf"):
         model = to_hf(ours_cpu)
     else:
@@ -142,8 +137,6 @@ def prepare(variant: str, ours_cpu, device: str, token_counts: tuple[int, ...] =
             model = T5Model(dataclasses.replace(ours_cpu.config, attention=attention_of(variant)))
         model.load_state_dict(ours_cpu.state_dict())
     model = model.to(device=device, dtype=torch.bfloat16).train()
-    if variant.endswith("-fp8"):
-        convert_to_fp8(model, device, token_counts)
     if "-compile" in variant:
         if variant.startswith("hf"):
             model = torch.compile(model, dynamic=False)
@@ -155,7 +148,7 @@ def prepare(variant: str, ours_cpu, device: str, token_counts: tuple[int, ...] =
 def bench_variant(variant, ours_cpu, batch, args, flops_per_step, ceiling, peak):
     device = args.device
     size = batch[0].shape[0]
-    model = prepare(variant, ours_cpu, device, (size * args.input_length, size * args.target_length))
+    model = prepare(variant, ours_cpu, device)
     step = make_step(variant, model, batch)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()

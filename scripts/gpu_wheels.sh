@@ -2,7 +2,8 @@
 # Build the wheels a GPU machine without registry access needs to run `pretrain`/`study` (it already has
 # torch, numpy, pyarrow, tokenizers, transformers, matplotlib, tensorboard, psutil, ninja, msgpack, einops,
 # py-cpuinfo, pyyaml, tqdm): a pure-python DeepSpeed (ops JIT-built there on first use), the cp312 wheels
-# of DeepSpeed's remaining requirements, torchao (--precision fp8; abi3, no dependencies) and tabulate (deepspeed --autotuning). Output: ./.whl (git-ignored), well under the 64 MiB carry limit.
+# of DeepSpeed's remaining requirements and tabulate (deepspeed --autotuning). Output: ./.whl (git-ignored), well
+# under the 64 MiB carry limit.
 #
 #   ./scripts/gpu_wheels.sh            # then, on the GPU machine:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
@@ -18,7 +19,4 @@ for req in hjson pydantic pydantic_core annotated-types typing-inspection typing
   .venv/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]}" -d .whl "$req==$version"
 done
-TORCHAO_VERSION=${TORCHAO_VERSION:-$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("torchao"))')}
-.venv/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  "${platforms[@]}" -d .whl "torchao==$TORCHAO_VERSION"
 ls -la .whl && du -sh .whl
