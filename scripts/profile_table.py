@@ -43,7 +43,7 @@ def find_profiles(paths: list[Path]) -> list[Path]:
     return list(dict.fromkeys(found))
 
 
-LABELLED = frozenset({"model", "zero", "offload", "micro_batch", "nproc", "nnodes"})   # already in the run column
+LABELLED = frozenset({"model", "zero", "offload", "micro_batch", "global_batch", "nproc", "nnodes"})  # in the run column
 UNLABELLED = frozenset({"out", "data", "resume", "cache_dir", "profile_steps", "steps", "steady_skip", "log_every"})
 
 
