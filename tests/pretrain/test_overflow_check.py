@@ -1,6 +1,7 @@
-"""pretrain.trainer.fuse_overflow_check: DeepSpeed's ZeRO-0 overflow check with one host sync, the same answers.
+"""pretrain.trainer.fuse_overflow_check: DeepSpeed's bf16 overflow checks, one sync and few kernels, same answers.
 
-A real bf16 ZeRO 0 run on CPU installs it (config.json["engine"]["overflow_check_fused"]); the GPU figures are in
+ZeRO 0 and ZeRO 1-2 each have their own; a real bf16 ZeRO 2 run on CPU installs it
+(config.json["engine"]["overflow_check_fused"]); the GPU figures are in
 docs/pretrain.md."""
 
 from __future__ import annotations
@@ -48,3 +49,35 @@ def test_the_fused_check_answers_as_deepspeeds_serial_check(case):
 
 def test_optimizers_without_such_a_check_are_left_alone():
     assert fuse_overflow_check(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])) is False
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_fused_zero2_check_answers_as_deepspeeds(case):
+    """ZeRO 1-2 (DeepSpeedZeroOptimizer): its per-tensor test summed on the device against one multi-tensor max-abs."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    grads = CASES[case]
+    zero = DeepSpeedZeroOptimizer.__new__(DeepSpeedZeroOptimizer)     # only the two fields the check reads
+    zero.bit16_groups, zero.averaged_gradients = [[None] * len(grads)], {0: list(grads)}
+    serial = bool(DeepSpeedZeroOptimizer.has_overflow_partitioned_grads_serial(zero))
+    assert fuse_overflow_check(zero) is True
+    fused = zero.has_overflow_partitioned_grads_serial()
+    assert fused.shape == (1,) and bool(fused) == serial == (case in ("inf", "-inf", "nan"))
+
+
+def test_a_real_bf16_zero2_run_installs_the_fused_check_and_still_skips_a_nan(tiny_shards, tmp_path):
+    """pretrain at ZeRO 2 in bf16 on CPU (one gloo rank): the engine notes the replaced check, a NaN forced on batch
+    2 (its gradients NaN too) is skipped, and training goes on with finite losses."""
+    import json
+
+    from pretrain.metrics import read_metrics
+    from tests.pretrain.test_trainer import COMMON, ok, pretrain
+
+    out = tmp_path / "z2-bf16"
+    ok(pretrain(*COMMON, "--data", str(tiny_shards), "--out", str(out), "--zero", "2", "--nproc", "1",
+                "--precision", "bf16", "--debug-nan-batches", "2", "--rollback-after", "0"))
+    engine = json.loads((out / "config.json").read_text())["engine"]
+    assert engine == {"optimizer": "DeepSpeedZeroOptimizer", "overflow_check_fused": True}
+    records = read_metrics(out / "metrics.jsonl")
+    assert records[1]["skipped"] == "nonfinite_loss"
+    assert all(r["skipped"] is None and r["loss"] is not None for r in records[2:])
