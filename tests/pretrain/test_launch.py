@@ -82,6 +82,19 @@ def test_deepspeed_config_follows_the_flags():
         resolve_config(BASE + ["--zero", "2", "--stage3-max-live-parameters", "5"])   # before any rank is spawned
 
 
+def test_zero3_on_one_rank_keeps_every_weight_resident():
+    """A world of one has nothing to partition: unless told otherwise, ZeRO 3 keeps the weights gathered."""
+    def threshold(argv, world_size):
+        config = resolve_config(BASE + ["--zero", "3", *argv])
+        ds = build_ds_config(config, world_size=world_size, grad_accum=1, accelerator="gpu")
+        return ds["zero_optimization"]["stage3_param_persistence_threshold"]
+
+    assert threshold([], 1) == 10 ** 12
+    assert threshold([], 2) == 100_000                                        # configs/deepspeed/zero3.yaml
+    assert threshold(["--offload", "cpu"], 1) == 100_000                      # the weights are to live on the host
+    assert threshold(["--stage3-param-persistence-threshold", "10"], 1) == 10
+
+
 def test_lr_schedules():
     warm = [LRSchedule("cosine", 4, 20, 0.1)(s) for s in range(20)]
     assert warm[:4] == [0.25, 0.5, 0.75, 1.0] and warm[-1] == pytest.approx(0.1) and warm[4] < 1.0
