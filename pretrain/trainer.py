@@ -87,15 +87,6 @@ def init_rank(local_rank: int, local_world_size: int, log_level: int = logging.W
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), verbose=False)
 
 
-def any_inf_or_nan(params) -> bool:
-    """Whether any gradient of `params` holds an inf or NaN: DeepSpeed's own per-tensor test
-    (`deepspeed.runtime.utils.has_inf_or_nan`, a device scalar each), reduced on the device, one host sync."""
-    from deepspeed.runtime.utils import has_inf_or_nan
-
-    flags = [has_inf_or_nan(p.grad.data) for p in params if p.grad is not None]
-    return bool(torch.stack(flags).any()) if flags else False
-
-
 def any_inf_or_nan_fused(grads) -> torch.Tensor:
     """Whether any of `grads` holds an inf or NaN, as a [1] bool tensor on their device, from one multi-tensor
     max-abs (`torch._foreach_norm` at ord inf: NaN and inf propagate, and a max cannot overflow as a 2-norm can)
@@ -104,6 +95,11 @@ def any_inf_or_nan_fused(grads) -> torch.Tensor:
     if not grads:
         return torch.zeros(1, dtype=torch.bool)
     return torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().logical_not().any().reshape(1)
+
+
+def any_inf_or_nan(params) -> bool:
+    """Whether any gradient of `params` holds an inf or NaN (`any_inf_or_nan_fused`), read with one host sync."""
+    return bool(any_inf_or_nan_fused([p.grad for p in params]))
 
 
 def fuse_overflow_check(optimizer) -> bool:

@@ -34,7 +34,7 @@ def serial_check(grads) -> torch.Tensor:
     return count.bool()
 
 
-def timed(check, grads, device: str, repeats: int) -> list[float]:
+def timed(check, grads, repeats: int) -> list[float]:
     seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -58,9 +58,10 @@ def main() -> int:
         assert not bool(check(grads))
     grads[len(grads) // 2].view(-1)[0] = float("nan")
     assert bool(serial_check(grads)) and bool(any_inf_or_nan_fused(grads))
-    rows = {name: timed(check, grads, args.device, args.repeats)
+    rows = {name: timed(check, grads, args.repeats)
             for name, check in (("DeepSpeed serial", serial_check), ("fused", any_inf_or_nan_fused))}
-    print(f"{args.model}: {len(grads)} gradient tensors on {args.device}, {args.repeats} repeats (ms, min / median / max)")
+    print(f"{args.model}: {len(grads)} gradient tensors on {args.device}, {args.repeats} repeats "
+          f"(ms, min / median / max)")
     for name, seconds in rows.items():
         print(f"  {name:16s} {1e3 * min(seconds):7.2f} / {1e3 * statistics.median(seconds):7.2f} / "
               f"{1e3 * max(seconds):7.2f}")

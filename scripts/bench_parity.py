@@ -12,8 +12,9 @@ autocast on CUDA, plain fp32 on CPU (`--precision` overrides). Variants: ours (e
 when named, ours-compile-flex (ours compiled with `attention: flex`, docs/model.md; CUDA only).
 
 `--pretrain` runs `pretrain` itself instead (DeepSpeed, bf16 parameters, ZeRO 2 on one process, the same data,
-seed and schedule; its spike guard off, see run_pretrain), once without and once with `--compile`, and tabulates their metrics.jsonl losses the same
-way (variants pretrain, pretrain-compile; HF is not in this mode, its reference is the eager run).
+seed and schedule; its spike guard off, see run_pretrain), once without and once with `--compile`, and tabulates
+their metrics.jsonl losses the same way (variants pretrain, pretrain-compile; HF is not in this mode, its
+reference is the eager run).
 
 Printed (and written to OUT/parity.md, the curves to OUT/parity.png, every loss to OUT/parity.json): the mean
 loss of each variant per window of `--window` steps, each variant's last window against the reference (HF eager,
@@ -325,8 +326,9 @@ def main() -> int:
     per_epoch = len(dataset) // args.batch
     if per_epoch == 0:
         parser.error(f"--batch {args.batch} is larger than the shard set ({len(dataset)} examples)")
-    allowed = PRETRAIN_VARIANTS if args.pretrain else VARIANTS + OPT_IN_VARIANTS
-    variants = args.variants or list(PRETRAIN_VARIANTS if args.pretrain else VARIANTS)
+    default = PRETRAIN_VARIANTS if args.pretrain else VARIANTS
+    allowed = default if args.pretrain else default + OPT_IN_VARIANTS
+    variants = args.variants or list(default)
     if set(variants) - set(allowed):
         parser.error(f"--variants {' '.join(variants)}: {'with' if args.pretrain else 'without'} --pretrain the "
                      f"variants are {', '.join(allowed)}")

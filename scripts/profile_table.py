@@ -43,21 +43,25 @@ def find_profiles(paths: list[Path]) -> list[Path]:
     return list(dict.fromkeys(found))
 
 
-LABELLED = frozenset({"model", "zero", "offload", "micro_batch", "global_batch", "nproc", "nnodes"})  # in the run column
+LABELLED = frozenset({"model", "zero", "offload", "micro_batch", "global_batch", "nproc", "nnodes"})  # in the label
 UNLABELLED = frozenset({"out", "data", "resume", "cache_dir", "profile_steps", "steps", "steady_skip", "log_every"})
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def row(summary_path: Path) -> dict:
     summary = json.loads(summary_path.read_text())
     run_dir = summary_path.parent.parent
     # the run's config.json as pretrain writes it: the TrainConfig under "train", what it resolved beside it
-    launched = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
-    run_summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    launched = read_json(run_dir / "config.json")
     train = launched.get("train", {})
     steps = summary.get("steps") or 1
     window = summary.get("window_s") or 0.0
-    untraced = (run_summary.get("median") or {}).get("step_time_s")
-    step = untraced or (window / steps if window else None)
+    traced = window / steps if window else None
+    untraced = (read_json(run_dir / "summary.json").get("median") or {}).get("step_time_s")
+    step = untraced or traced
     families = summary.get("families", {})
     shares = {family: (families.get(family, {}).get("seconds", 0.0) / steps / step if step else None)
               for family, _ in COLUMNS}
@@ -65,10 +69,10 @@ def row(summary_path: Path) -> dict:
     offload = train.get("offload", "none")
     ranks = launched.get("world_size", 1)
     what = (f"{train.get('model', '?')} ZeRO {train.get('zero', '?')}"
-            f"{'' if offload in (None, 'none') else ' + ' + offload + ' offload'}, micro {train.get('micro_batch', '?')}"
-            f" x {launched.get('grad_accum', '?')}{f' x {ranks} ranks' if ranks > 1 else ''}")
-    return {"what": what, "train": train, "step_s": step, "traced": not untraced,
-            "traced_step_s": window / steps if window else None,
+            f"{'' if offload in (None, 'none') else ' + ' + offload + ' offload'}, "
+            f"micro {train.get('micro_batch', '?')} x {launched.get('grad_accum', '?')}"
+            f"{f' x {ranks} ranks' if ranks > 1 else ''}")
+    return {"what": what, "train": train, "step_s": step, "traced": not untraced, "traced_step_s": traced,
             "device_events": summary.get("device_events", 0), "shares": shares,
             "idle": None if busy is None or not step else max(0.0, 1.0 - busy / steps / step)}
 
