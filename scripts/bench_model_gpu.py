@@ -5,7 +5,7 @@
 Pure torch + transformers (no DeepSpeed). Both models hold the same weights (ours built with a seed, HF's
 made from it by pretrain.model.hf.to_hf), run bf16 parameters with fused AdamW on the same random batch
 (inputs 512, targets 114 by default). One step = zero_grad + forward (loss) + backward + optimizer step.
-Reported per variant: ms/step, tokens/s (input + target tokens), TFLOP/s from the exact count
+Reported per variant: ms/step (the median of the timed steps, each timed alone, with min-max), tokens/s (input + target tokens), TFLOP/s from the exact count
 (pretrain.model.flops.train_step_flops), MFU against the device's datasheet dense bf16 peak
 (pretrain.metrics.PEAK_TFLOPS: 989.4 TFLOP/s for H100/H200 SXM, 312 for A100; `--peak-tflops` for others), beside
 it `x GEMM`: the fraction of a bf16 8192^3 matmul measured in the same run, peak memory, and speed-up against HF
@@ -13,7 +13,8 @@ eager and HF compiled (what a user would pick instead) in the same run. The tabl
 results.md go to --out. `--device cpu --models t5-tiny` is a smoke test.
 
 `--batches 96 128 192 ...` also measures every variant at those batch sizes, in increasing order until one does not
-fit, and adds a second table: each variant at its fastest fitting batch, with its speed-up over HF compiled at HF
+fit (a size whose peak memory, extrapolated from the sizes that fit, exceeds the device's is
+recorded as not fitting without being compiled), and adds a second table: each variant at its fastest fitting batch, with its speed-up over HF compiled at HF
 compiled's own fastest (the memory a variant saves, turned into throughput), beside the equal-batch table.
 
 Variants: hf, hf-compile (transformers, eager / whole-model torch.compile); ours, ours-compile (eager /
@@ -27,6 +28,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -159,16 +161,19 @@ def bench_variant(variant, ours_cpu, batch, args, flops_per_step, ceiling, peak)
     for _ in range(args.warmup - 1):
         step()
     sync(device)
-    start = time.perf_counter()
+    times = []                                   # each timed step on its own, for the spread
     for _ in range(args.steps):
+        start = time.perf_counter()
         loss = step()
-    sync(device)
-    step_s = (time.perf_counter() - start) / args.steps
+        sync(device)
+        times.append(time.perf_counter() - start)
+    step_s = statistics.median(times)
     if variant == args.profile:
         profile(step, args, f"{ours_cpu.config.name}-{variant}")
     tokens = size * (args.input_length + args.target_length)
     tflops = flops_per_step / step_s / 1e12
     row = {"variant": variant, "batch": size, "first_loss": first_loss, "last_loss": float(loss.detach()), "ms_per_step": 1e3 * step_s,
+           "ms_min": 1e3 * min(times), "ms_max": 1e3 * max(times),
            "tokens_per_s": tokens / step_s, "tflops": tflops, "mfu": tflops / peak if peak else float("nan"),
            "of_gemm": tflops / ceiling,
            "first_step_s": first_step_s,
@@ -177,6 +182,18 @@ def bench_variant(variant, ours_cpu, batch, args, flops_per_step, ceiling, peak)
     if device == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def predicted_peak_gib(fits: list[dict], size: int) -> float | None:
+    """Peak memory at batch `size` from the batches that fit: the line through the two largest (fixed weights and
+    optimizer state plus activations that grow with the batch), or proportional to the one (an overestimate)."""
+    if not fits:
+        return None
+    fits = sorted(fits, key=lambda r: r["batch"])[-2:]
+    if len(fits) == 1:
+        return fits[0]["peak_mem_gib"] * size / fits[0]["batch"]
+    (b0, m0), (b1, m1) = ((r["batch"], r["peak_mem_gib"]) for r in fits)
+    return m1 + (m1 - m0) / (b1 - b0) * (size - b1)
 
 
 def best_batches(rows: list[dict]) -> list[dict]:
@@ -248,6 +265,16 @@ def main() -> int:
                 print(f"{preset}: *-flex kernels {sdpa_backends(ours_cpu, args, 'flex')}", flush=True)
         for variant in args.variants:
             for size in sizes:            # the same examples at every size: a prefix of the largest batch
+                fits = [r for r in rows if (r["model"], r["variant"]) == (preset, variant) and "error" not in r]
+                predicted = predicted_peak_gib(fits, size) if args.device == "cuda" else None
+                capacity = torch.cuda.get_device_properties(0).total_memory / 2**30 if args.device == "cuda" else 0
+                if predicted is not None and size > args.batch and predicted > capacity:
+                    # not run: a whole-model compile (HF's takes ~150 s) only to run out of memory
+                    row = {"model": preset, "variant": variant, "batch": size,
+                           "error": f"predicted out of memory: {predicted:.0f} GiB > {capacity:.0f} GiB"}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    break
                 batch = tuple(part[:size].to(args.device) for part in largest)
                 flops = train_step_flops(config, size, args.input_length, args.target_length)
                 try:
@@ -274,14 +301,15 @@ def main() -> int:
                          and "error" not in r), None)
             if base and "error" not in row:
                 row[key] = row["tokens_per_s"] / base["tokens_per_s"]
-    header = ("| model | variant | ms/step | tokens/s | TFLOP/s | MFU | x GEMM | x HF | x HF compiled | peak GiB | "
+    header = ("| model | variant | ms/step (min-max) | tokens/s | TFLOP/s | MFU | x GEMM | x HF | x HF compiled | peak GiB | "
               "first step s | loss |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [header]
     for r in equal:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['variant']} | {r['error']} |||||||||")
             continue
-        lines.append(f"| {r['model']} | {r['variant']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | "
+        lines.append(f"| {r['model']} | {r['variant']} | {r['ms_per_step']:.1f} ({r['ms_min']:.1f}-{r['ms_max']:.1f}) | "
+                     f"{r['tokens_per_s']:,.0f} | "
                      f"{r['tflops']:.1f} | {100 * r['mfu']:.1f}% | {100 * r['of_gemm']:.1f}% | "
                      f"{r.get('speedup_vs_hf', float('nan')):.2f} | {r.get('speedup_vs_hf_compile', float('nan')):.2f} | "
                      f"{r['peak_mem_gib']:.1f} | {r['first_step_s']:.1f} | {r['first_loss']:.4f} |")
@@ -290,9 +318,10 @@ def main() -> int:
     if best:
         table += ("\n\nAt each variant's fastest fitting batch (of " + ", ".join(map(str, sorted({args.batch, *args.batches})))
                   + "; x HF compiled: against HF compiled at its own fastest):\n\n"
-                  "| model | variant | batch | largest that fit | ms/step | tokens/s | MFU | peak GiB | x HF compiled |\n"
+                  "| model | variant | batch | largest that fit | ms/step (min-max) | tokens/s | MFU | peak GiB | x HF compiled |\n"
                   "|---|---|---:|---:|---:|---:|---:|---:|---:|\n" + "\n".join(
-                      f"| {r['model']} | {r['variant']} | {r['batch']} | {r['largest_fit']} | {r['ms_per_step']:.1f} | "
+                      f"| {r['model']} | {r['variant']} | {r['batch']} | {r['largest_fit']} | {r['ms_per_step']:.1f} "
+                      f"({r['ms_min']:.1f}-{r['ms_max']:.1f}) | "
                       f"{r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_mem_gib']:.1f} | "
                       f"{r.get('best_vs_hf_compile', float('nan')):.2f} |" for r in best))
     summary = (f"{env['device']}, torch {env['torch']}, transformers {env.get('transformers', '-')}; bf16 params + "

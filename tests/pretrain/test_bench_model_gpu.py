@@ -1,0 +1,46 @@
+"""scripts/bench_model_gpu.py's batch search (issue 19): each timed step on its own (the table's min-max), and a
+larger batch whose peak memory, extrapolated from the batches that fit, exceeds the device's is recorded as not
+fitting without being run (on the GPU an HF whole-model compile takes ~150 s before it would run out of memory).
+Real run: t5-tiny, eager, on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_model_gpu.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_model_gpu", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_peak_memory_is_extrapolated_from_the_batches_that_fit():
+    predict = load_script().predicted_peak_gib
+    assert predict([], 96) is None
+    assert predict([{"batch": 64, "peak_mem_gib": 82.4}], 96) == pytest.approx(123.6)    # proportional: an upper bound
+    # the line through the two largest (the H200's mt5-large flex figures: 66.9 GiB at 96, 84.3 at 128; 119.4 at 192)
+    fits = [{"batch": 64, "peak_mem_gib": 48.8}, {"batch": 96, "peak_mem_gib": 66.9}, {"batch": 128, "peak_mem_gib": 84.3}]
+    assert predict(fits, 192) == pytest.approx(119.1, abs=0.1)
+
+
+def test_cpu_smoke_run_reports_each_batch_with_its_spread(tmp_path):
+    command = [sys.executable, str(SCRIPT), "--device", "cpu", "--models", "t5-tiny", "--variants", "ours",
+               "--batch", "2", "--batches", "4", "--steps", "3", "--warmup", "1", "--input-length", "32",
+               "--target-length", "8", "--matmul-size", "256", "--out", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["batch"] for r in rows] == [2, 4]
+    for row in rows:
+        assert row["ms_min"] <= row["ms_per_step"] <= row["ms_max"]
+    table = (tmp_path / "results.md").read_text()
+    assert "At each variant's fastest fitting batch" in table and "ms/step (min-max)" in table
