@@ -8,11 +8,13 @@ built with the seed, HF's made from them by pretrain.model.hf.to_hf) and trains 
 order (the trainer's GlobalOrderSampler over the shard set, seeded likewise) with torch AdamW, lr 5e-4 after a
 linear warmup of 50 steps (the trainer's LRSchedule, constant), gradient-norm clip 1.0; fp32 parameters under bf16
 autocast on CUDA, plain fp32 on CPU (`--precision` overrides). Variants: ours (eager), ours-compile
-(`T5Model.compile_regions`), hf (eager), hf-compile (`torch.compile` of the whole HF model, dynamic=False), and
-when named, ours-compile-flex (ours compiled with `attention: flex`, docs/model.md; CUDA only).
+(`T5Model.compile_regions`), both with `attention: sdpa`; hf (eager), hf-compile (`torch.compile` of the whole HF
+model, dynamic=False), and when named, ours-compile-flex (ours compiled with `attention: flex`, what the default
+`auto` runs on a GPU, docs/model.md; CUDA only).
 
 `--pretrain` runs `pretrain` itself instead (DeepSpeed, bf16 parameters, ZeRO 2 on one process, the same data,
-seed and schedule; its spike guard off, see run_pretrain), once without and once with `--compile`, and tabulates
+seed and schedule; its spike guard off, see run_pretrain; the model's default attention, `auto`: FlexAttention on a
+GPU), once without and once with `--compile`, and tabulates
 their metrics.jsonl losses the same way (variants pretrain, pretrain-compile; HF is not in this mode, its
 reference is the eager run).
 
@@ -53,7 +55,7 @@ from pretrain.trainer import LRSchedule  # noqa: E402
 
 VARIANTS = ("ours", "ours-compile", "hf", "hf-compile")
 OPT_IN_VARIANTS = ("ours-compile-flex",)   # named in --variants only: `attention: flex`, compiled (CUDA: its backward
-# has no CPU kernel), the parity issue 19's FlexAttention lever needs before it can be the default
+# has no CPU kernel); its 400-step parity made it the default on GPUs (docs/model.md)
 PRETRAIN_VARIANTS = ("pretrain", "pretrain-compile")
 
 
@@ -73,7 +75,7 @@ def prepare(variant: str, ours_cpu: T5Model, device: str) -> torch.nn.Module:
         from pretrain.model.hf import to_hf
         model = to_hf(ours_cpu)
     else:
-        attention = "flex" if variant == "ours-compile-flex" else ours_cpu.config.attention
+        attention = "flex" if variant == "ours-compile-flex" else "sdpa"   # each variant its kernel, on any device
         model = T5Model(dataclasses.replace(ours_cpu.config, attention=attention))
         model.load_state_dict(ours_cpu.state_dict())
     model = model.to(device=device, dtype=torch.float32).train()

@@ -6,9 +6,10 @@ Architecture (T5 v1.1 / mT5, as in HF `T5ForConditionalGeneration` with `feed_fo
 RMSNorm without bias (statistics in fp32), gated-GELU feed-forward (tanh approximation), pre-norm residual
 blocks, relative position buckets whose bias is computed once per stack and shared by its layers, no
 scaling of attention scores (T5 folds 1/sqrt(d_kv) into the init), an untied LM head without rescaling,
-and no dropout by default. Attention runs through `scaled_dot_product_attention` with the position bias as
-the additive mask (scale=1.0); with `attention="flex"` (opt-in) the self-attentions run FlexAttention instead,
-which adds the bias inside its kernel (`flex_self_attention`). The loss never materialises the full fp32
+and no dropout by default. On a GPU the self-attentions run FlexAttention, which adds the trainable position bias
+inside its kernel (`flex_self_attention`); on the CPU (no FlexAttention backward there), with dropout, or with
+`attention="sdpa"` they run `scaled_dot_product_attention` with the position bias as the additive mask (scale=1.0):
+`attention="auto"`, the default, picks by the input's device (`T5Config.self_attention_kind`). The loss never materialises the full fp32
 logits: it walks the target tokens in chunks and computes logits, cross-entropy and their gradients chunk by chunk.
 
 Weights are stored fused where that saves kernel launches (q|k|v, k|v of cross-attention, wi_0|wi_1);
@@ -21,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from pipeline.common import CONFIGS_DIR, UserError
 
 MODELS_DIR = CONFIGS_DIR / "models"
-ATTENTION_KINDS = ("sdpa", "flex")   # T5Config.attention: how the self-attentions add the position bias
+ATTENTION_KINDS = ("auto", "sdpa", "flex")   # T5Config.attention: how the self-attentions add the position bias
 
 
 @dataclass
@@ -61,7 +61,8 @@ class T5Config:
     activation_checkpointing: bool = False
     name: str = ""
     loss_chunk_tokens: int = 4096  # target tokens per chunk of the LM-head loss (bounds logits memory)
-    attention: str = "sdpa"        # self-attention kernel: "sdpa" (bias as additive mask) or "flex" (see Stack)
+    attention: str = "auto"        # self-attention kernel: "sdpa" (bias as additive mask), "flex" (see Stack) or
+    # "auto": flex on CUDA without dropout, sdpa otherwise (self_attention_kind)
 
     def __post_init__(self):
         positive = ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
@@ -85,6 +86,15 @@ class T5Config:
         if self.attention == "flex" and self.dropout_rate > 0:
             raise UserError(f"model config {self.name or '?'}: attention='flex' has no dropout of attention "
                             f"probabilities; use attention='sdpa' with dropout_rate={self.dropout_rate}")
+
+    def self_attention_kind(self, device_type: str) -> str:
+        """"flex" or "sdpa" for inputs on `device_type`. auto: flex on CUDA (1.12x the SDPA step for mt5-large on an
+        H200, its loss inside HF's compiled-vs-eager spread over 400 steps, docs/model.md), unless attention
+        probabilities drop out (FlexAttention has no dropout); sdpa elsewhere (PyTorch has no FlexAttention backward
+        on the CPU)."""
+        if self.attention == "auto":
+            return "flex" if device_type == "cuda" and self.dropout_rate == 0 else "sdpa"
+        return self.attention
 
     @property
     def inner_dim(self) -> int:
@@ -365,7 +375,7 @@ class Stack(nn.Module):
         return FlexBias(position, padding, block_mask, length)
 
     def forward(self, x, padding_bias=None, memory=None, memory_bias=None):
-        if self.config.attention == "flex":
+        if self.config.self_attention_kind(x.device.type) == "flex":
             bias = self.flex_self_attention_bias(x.shape[1], padding_bias)
         else:
             bias = self.self_attention_bias(x.shape[1], x.dtype)
@@ -472,9 +482,6 @@ class T5Model(nn.Module):
         self.lm_head = LMHead(config)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.shared.weight
-        if config.attention == "flex":
-            warnings.warn("attention='flex' is experimental: on an H200 it was 4-8% faster than 'sdpa' but mt5-base's "
-                          "bf16 loss went NaN within 8 steps (docs/model.md); train with 'sdpa'", stacklevel=2)
 
     def shift_right(self, labels: torch.Tensor) -> torch.Tensor:
         """Decoder inputs: labels shifted right, starting with decoder_start_token_id (HF's -100 -> pad)."""

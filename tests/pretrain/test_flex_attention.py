@@ -65,9 +65,28 @@ def forward_backward(model, inputs, labels, attention_mask):
     return loss.detach(), logits, {name: p.grad for name, p in model.named_parameters()}
 
 
-def test_attention_is_sdpa_by_default_and_flex_by_override():
-    assert load_config("mt5-large").attention == "sdpa"
-    assert build("t5-tiny", attention="flex").config.attention == "flex"
+def test_attention_is_flex_on_cuda_and_sdpa_elsewhere_by_default():
+    config = load_config("mt5-large")
+    assert config.attention == "auto"
+    assert (config.self_attention_kind("cuda"), config.self_attention_kind("cpu")) == ("flex", "sdpa")
+    dropout = load_config("mt5-large", dropout_rate=0.1)         # FlexAttention has no dropout: sdpa even on CUDA
+    assert dropout.self_attention_kind("cuda") == "sdpa"
+    for kind in ("sdpa", "flex"):                                 # an explicit choice holds on every device
+        chosen = build("t5-tiny", attention=kind).config
+        assert (chosen.self_attention_kind("cuda"), chosen.self_attention_kind("cpu")) == (kind, kind)
+
+
+def test_auto_on_cpu_builds_the_sdpa_bias(monkeypatch):
+    """The default model on the CPU trains through SDPA (no FlexAttention backward there): a flex bias is never
+    made, and its loss and gradients are those of attention="sdpa"."""
+    monkeypatch.setattr(model_module.Stack, "flex_self_attention_bias",
+                        lambda *args: pytest.fail("flex bias built on the CPU under attention='auto'"))
+    inputs, labels = random_batch(4, batch=2)
+    auto, sdpa = build("t5-tiny", seed=3), build("t5-tiny", seed=3, attention="sdpa")
+    got, want = forward_backward(auto, inputs, labels, None), forward_backward(sdpa, inputs, labels, None)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    for name, grad in want[2].items():
+        torch.testing.assert_close(got[2][name], grad, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -174,7 +193,7 @@ def test_compiled_flex_training_step_on_cuda(monkeypatch, mode):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     inputs, labels = (t.cuda() for t in random_batch(4, batch=4, input_length=512, target_length=114))
     checkpointed = mode == "uncompiled-checkpointed"
-    sdpa = build("t5-tiny", seed=0, activation_checkpointing=checkpointed).cuda().train()
+    sdpa = build("t5-tiny", seed=0, attention="sdpa", activation_checkpointing=checkpointed).cuda().train()
     flex = build("t5-tiny", seed=0, attention="flex", activation_checkpointing=checkpointed).cuda().train()
     if mode == "compile-regions":
         flex.compile_regions()
