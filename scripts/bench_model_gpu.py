@@ -10,7 +10,8 @@ Reported per variant: ms/step (the median of the timed steps, each timed alone, 
 (pretrain.metrics.PEAK_TFLOPS: 989.4 TFLOP/s for H100/H200 SXM, 312 for A100; `--peak-tflops` for others), beside
 it `x GEMM`: the fraction of a bf16 8192^3 matmul measured in the same run, peak memory, and speed-up against HF
 eager and HF compiled (what a user would pick instead) in the same run. The table is printed last; results.json and
-results.md go to --out. `--device cpu --models t5-tiny` is a smoke test.
+results.md go to --out. Interrupted (SIGINT, e.g. `timeout -s INT` inside a device call's limit), it still writes
+them for what it measured, says so, and exits 130. `--device cpu --models t5-tiny` is a smoke test.
 
 `--batches 96 128 192 ...` also measures every variant at those batch sizes, in increasing order until one does not
 fit (a size whose peak memory, extrapolated from the sizes that fit, exceeds the device's is
@@ -248,51 +249,56 @@ def main() -> int:
           flush=True)
 
     rows = []
-    for preset in args.models:
-        ours_cpu = build(preset, seed=args.seed)
-        config = ours_cpu.config
-        sizes = sorted({args.batch, *args.batches})
-        generator = torch.Generator().manual_seed(args.seed)
-        low, high = 3, config.vocab_size - 100                    # no pad/eos/unk, no sentinels
-        largest = (torch.randint(low, high, (sizes[-1], args.input_length), generator=generator),
-                   torch.randint(low, high, (sizes[-1], args.target_length), generator=generator))
-        print(f"{preset}: {count_parameters(config) / 1e6:.0f}M parameters, "
-              f"{train_step_flops(config, args.batch, args.input_length, args.target_length) / 1e12:.1f} TFLOP per "
-              f"step (batch {args.batch}, lengths {args.input_length}/{args.target_length})", flush=True)
-        if args.device == "cuda":
-            print(f"{preset}: SDPA kernels {sdpa_backends(ours_cpu, args)}", flush=True)
-            if any(attention_of(variant) == "flex" for variant in args.variants):
-                print(f"{preset}: *-flex kernels {sdpa_backends(ours_cpu, args, 'flex')}", flush=True)
-        for variant in args.variants:
-            for size in sizes:            # the same examples at every size: a prefix of the largest batch
-                fits = [r for r in rows if (r["model"], r["variant"]) == (preset, variant) and "error" not in r]
-                predicted = predicted_peak_gib(fits, size) if args.device == "cuda" else None
-                capacity = torch.cuda.get_device_properties(0).total_memory / 2**30 if args.device == "cuda" else 0
-                if predicted is not None and size > args.batch and predicted > capacity:
-                    # not run: a whole-model compile (HF's takes ~150 s) only to run out of memory
-                    row = {"model": preset, "variant": variant, "batch": size,
-                           "error": f"predicted out of memory: {predicted:.0f} GiB > {capacity:.0f} GiB"}
+    interrupted = False
+    try:   # a device call's time limit (timeout -s INT) still gets the tables of what was measured
+        for preset in args.models:
+            ours_cpu = build(preset, seed=args.seed)
+            config = ours_cpu.config
+            sizes = sorted({args.batch, *args.batches})
+            generator = torch.Generator().manual_seed(args.seed)
+            low, high = 3, config.vocab_size - 100                    # no pad/eos/unk, no sentinels
+            largest = (torch.randint(low, high, (sizes[-1], args.input_length), generator=generator),
+                       torch.randint(low, high, (sizes[-1], args.target_length), generator=generator))
+            print(f"{preset}: {count_parameters(config) / 1e6:.0f}M parameters, "
+                  f"{train_step_flops(config, args.batch, args.input_length, args.target_length) / 1e12:.1f} TFLOP per "
+                  f"step (batch {args.batch}, lengths {args.input_length}/{args.target_length})", flush=True)
+            if args.device == "cuda":
+                print(f"{preset}: SDPA kernels {sdpa_backends(ours_cpu, args)}", flush=True)
+                if any(attention_of(variant) == "flex" for variant in args.variants):
+                    print(f"{preset}: *-flex kernels {sdpa_backends(ours_cpu, args, 'flex')}", flush=True)
+            for variant in args.variants:
+                for size in sizes:            # the same examples at every size: a prefix of the largest batch
+                    fits = [r for r in rows if (r["model"], r["variant"]) == (preset, variant) and "error" not in r]
+                    predicted = predicted_peak_gib(fits, size) if args.device == "cuda" else None
+                    capacity = torch.cuda.get_device_properties(0).total_memory / 2**30 if args.device == "cuda" else 0
+                    if predicted is not None and size > args.batch and predicted > capacity:
+                        # not run: a whole-model compile (HF's takes ~150 s) only to run out of memory
+                        row = {"model": preset, "variant": variant, "batch": size,
+                               "error": f"predicted out of memory: {predicted:.0f} GiB > {capacity:.0f} GiB"}
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+                        break
+                    batch = tuple(part[:size].to(args.device) for part in largest)
+                    flops = train_step_flops(config, size, args.input_length, args.target_length)
+                    try:
+                        row = bench_variant(variant, ours_cpu, batch, args, flops, ceiling, peak)
+                    except torch.OutOfMemoryError as err:
+                        row = {"variant": variant, "batch": size, "error": f"out of memory: {str(err).splitlines()[0]}"}
+                    except Exception as err:  # keep the other variants' numbers; report this one's failure
+                        row = {"variant": variant, "batch": size,
+                               "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+                    row["model"] = preset
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-                    break
-                batch = tuple(part[:size].to(args.device) for part in largest)
-                flops = train_step_flops(config, size, args.input_length, args.target_length)
-                try:
-                    row = bench_variant(variant, ours_cpu, batch, args, flops, ceiling, peak)
-                except torch.OutOfMemoryError as err:
-                    row = {"variant": variant, "batch": size, "error": f"out of memory: {str(err).splitlines()[0]}"}
-                except Exception as err:  # keep the other variants' numbers; report this one's failure
-                    row = {"variant": variant, "batch": size,
-                           "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
-                row["model"] = preset
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                del batch
-                if args.device == "cuda":
-                    torch.cuda.empty_cache()
-                if "error" in row and size >= args.batch:   # a larger batch will not fit either
-                    break
-        del ours_cpu
+                    del batch
+                    if args.device == "cuda":
+                        torch.cuda.empty_cache()
+                    if "error" in row and size >= args.batch:   # a larger batch will not fit either
+                        break
+            del ours_cpu
+    except KeyboardInterrupt:
+        interrupted = True
+        print(f"interrupted: the tables below hold the {len(rows)} measurement(s) finished", flush=True)
 
     equal = [r for r in rows if r["batch"] == args.batch]
     for row in equal:
@@ -327,12 +333,13 @@ def main() -> int:
     summary = (f"{env['device']}, torch {env['torch']}, transformers {env.get('transformers', '-')}; bf16 params + "
                f"fused AdamW; batch {args.batch}, inputs {args.input_length}, targets {args.target_length}; "
                f"{args.steps} timed steps after {args.warmup} warm-up; MFU vs the datasheet dense bf16 peak {peak} "
-               f"TFLOP/s; x GEMM vs a bf16 {args.matmul_size}^3 matmul measured here, {ceiling:.1f} TFLOP/s")
+               f"TFLOP/s; x GEMM vs a bf16 {args.matmul_size}^3 matmul measured here, {ceiling:.1f} TFLOP/s"
+               + ("; INTERRUPTED before every variant and batch was measured" if interrupted else ""))
     (out / "results.json").write_text(json.dumps({"env": env, "ceiling_tflops": ceiling, "peak_tflops": peak, "args": vars(args),
-                                                  "rows": rows, "best_batch": best}, indent=2))
+                                                  "rows": rows, "best_batch": best, "interrupted": interrupted}, indent=2))
     (out / "results.md").write_text(summary + "\n\n" + table + "\n")
     print("\n" + summary + "\n\n" + table, flush=True)
-    return 0
+    return 130 if interrupted else 0
 
 
 if __name__ == "__main__":

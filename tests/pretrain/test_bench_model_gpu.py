@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,3 +46,24 @@ def test_cpu_smoke_run_reports_each_batch_with_its_spread(tmp_path):
         assert row["ms_min"] <= row["ms_per_step"] <= row["ms_max"]
     table = (tmp_path / "results.md").read_text()
     assert "At each variant's fastest fitting batch" in table and "ms/step (min-max)" in table
+
+
+def test_an_interrupted_run_still_writes_the_tables_of_what_it_measured(tmp_path):
+    """SIGINT after the first measurement (a device call's time limit): exit 130, the tables of the rows finished."""
+    command = [sys.executable, str(SCRIPT), "--device", "cpu", "--models", "t5-tiny", "--variants", "ours", "hf",
+               "--batch", "2", "--steps", "200", "--warmup", "1", "--input-length", "32", "--target-length", "8",
+               "--matmul-size", "256", "--out", str(tmp_path)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in process.stdout:            # the first row is printed as JSON once measured; hf is then running
+        seen.append(line)
+        if line.startswith('{"variant": "ours"'):
+            time.sleep(1.0)
+            process.send_signal(signal.SIGINT)
+            break
+    output = "".join(seen) + process.stdout.read()
+    assert process.wait(timeout=120) == 130, output[-2000:]
+    assert "interrupted: the tables below hold the 1 measurement(s) finished" in output
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["interrupted"] and [r["variant"] for r in result["rows"]] == ["ours"]
+    assert "INTERRUPTED" in (tmp_path / "results.md").read_text()
