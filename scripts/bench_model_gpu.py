@@ -5,18 +5,19 @@
 Pure torch + transformers (no DeepSpeed). Both models hold the same weights (ours built with a seed, HF's
 made from it by pretrain.model.hf.to_hf), run bf16 parameters with fused AdamW on the same random batch
 (inputs 512, targets 114 by default). One step = zero_grad + forward (loss) + backward + optimizer step.
-Reported per variant: ms/step (the median of the timed steps, each timed alone, with min-max), tokens/s (input + target tokens), TFLOP/s from the exact count
-(pretrain.model.flops.train_step_flops), MFU against the device's datasheet dense bf16 peak
-(pretrain.metrics.PEAK_TFLOPS: 989.4 TFLOP/s for H100/H200 SXM, 312 for A100; `--peak-tflops` for others), beside
+Reported per variant: ms/step (the median of the timed steps, each timed alone; min-max beside it), tokens/s
+(input + target tokens), TFLOP/s from the exact count (pretrain.model.flops.train_step_flops), MFU against the
+device's datasheet dense bf16 peak (pretrain.metrics.PEAK_TFLOPS: 989.4 TFLOP/s for H100/H200 SXM, 312 for A100; `--peak-tflops` for others), beside
 it `x GEMM`: the fraction of a bf16 8192^3 matmul measured in the same run, peak memory, and speed-up against HF
 eager and HF compiled (what a user would pick instead) in the same run. The table is printed last; results.json and
 results.md go to --out. Interrupted (SIGINT, e.g. `timeout -s INT` inside a device call's limit), it still writes
 them for what it measured, says so, and exits 130. `--device cpu --models t5-tiny` is a smoke test.
 
 `--batches 96 128 192 ...` also measures every variant at those batch sizes, in increasing order until one does not
-fit (a size whose peak memory, extrapolated from the sizes that fit, exceeds the device's is
-recorded as not fitting without being compiled), and adds a second table: each variant at its fastest fitting batch, with its speed-up over HF compiled at HF
-compiled's own fastest (the memory a variant saves, turned into throughput), beside the equal-batch table.
+fit (a size whose peak memory, extrapolated from the sizes that fit, exceeds the device's is recorded as not
+fitting without being compiled), and adds a second table: each variant at its fastest fitting batch, with its
+speed-up over HF compiled at HF compiled's own fastest (the memory a variant saves, turned into throughput), beside
+the equal-batch table.
 
 Variants: hf, hf-compile (transformers, eager / whole-model torch.compile); ours, ours-compile (eager /
 `compile_regions`); ours-compile-flex (`compile_regions` with `attention="flex"`: the self-attentions by
@@ -307,14 +308,15 @@ def main() -> int:
                          and "error" not in r), None)
             if base and "error" not in row:
                 row[key] = row["tokens_per_s"] / base["tokens_per_s"]
-    header = ("| model | variant | ms/step (min-max) | tokens/s | TFLOP/s | MFU | x GEMM | x HF | x HF compiled | peak GiB | "
-              "first step s | loss |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    header = ("| model | variant | ms/step (min-max) | tokens/s | TFLOP/s | MFU | x GEMM | x HF | x HF compiled | "
+              "peak GiB | first step s | loss |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [header]
     for r in equal:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['variant']} | {r['error']} |||||||||")
             continue
-        lines.append(f"| {r['model']} | {r['variant']} | {r['ms_per_step']:.1f} ({r['ms_min']:.1f}-{r['ms_max']:.1f}) | "
+        spread = f"{r['ms_per_step']:.1f} ({r['ms_min']:.1f}-{r['ms_max']:.1f})"
+        lines.append(f"| {r['model']} | {r['variant']} | {spread} | "
                      f"{r['tokens_per_s']:,.0f} | "
                      f"{r['tflops']:.1f} | {100 * r['mfu']:.1f}% | {100 * r['of_gemm']:.1f}% | "
                      f"{r.get('speedup_vs_hf', float('nan')):.2f} | {r.get('speedup_vs_hf_compile', float('nan')):.2f} | "
@@ -324,7 +326,8 @@ def main() -> int:
     if best:
         table += ("\n\nAt each variant's fastest fitting batch (of " + ", ".join(map(str, sorted({args.batch, *args.batches})))
                   + "; x HF compiled: against HF compiled at its own fastest):\n\n"
-                  "| model | variant | batch | largest that fit | ms/step (min-max) | tokens/s | MFU | peak GiB | x HF compiled |\n"
+                  "| model | variant | batch | largest that fit | ms/step (min-max) | tokens/s | MFU | peak GiB | "
+                  "x HF compiled |\n"
                   "|---|---|---:|---:|---:|---:|---:|---:|---:|\n" + "\n".join(
                       f"| {r['model']} | {r['variant']} | {r['batch']} | {r['largest_fit']} | {r['ms_per_step']:.1f} "
                       f"({r['ms_min']:.1f}-{r['ms_max']:.1f}) | "
@@ -335,8 +338,9 @@ def main() -> int:
                f"{args.steps} timed steps after {args.warmup} warm-up; MFU vs the datasheet dense bf16 peak {peak} "
                f"TFLOP/s; x GEMM vs a bf16 {args.matmul_size}^3 matmul measured here, {ceiling:.1f} TFLOP/s"
                + ("; INTERRUPTED before every variant and batch was measured" if interrupted else ""))
-    (out / "results.json").write_text(json.dumps({"env": env, "ceiling_tflops": ceiling, "peak_tflops": peak, "args": vars(args),
-                                                  "rows": rows, "best_batch": best, "interrupted": interrupted}, indent=2))
+    result = {"env": env, "ceiling_tflops": ceiling, "peak_tflops": peak, "args": vars(args), "rows": rows,
+              "best_batch": best, "interrupted": interrupted}
+    (out / "results.json").write_text(json.dumps(result, indent=2))
     (out / "results.md").write_text(summary + "\n\n" + table + "\n")
     print("\n" + summary + "\n\n" + table, flush=True)
     return 130 if interrupted else 0

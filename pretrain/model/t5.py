@@ -9,8 +9,9 @@ scaling of attention scores (T5 folds 1/sqrt(d_kv) into the init), an untied LM 
 and no dropout by default. On a GPU the self-attentions run FlexAttention, which adds the trainable position bias
 inside its kernel (`flex_self_attention`); on the CPU (no FlexAttention backward there), with dropout, or with
 `attention="sdpa"` they run `scaled_dot_product_attention` with the position bias as the additive mask (scale=1.0):
-`attention="auto"`, the default, picks by the input's device (`T5Config.self_attention_kind`). The loss never materialises the full fp32
-logits: it walks the target tokens in chunks and computes logits, cross-entropy and their gradients chunk by chunk.
+`attention="auto"`, the default, picks by the input's device (`T5Config.self_attention_kind`). The loss never
+materialises the full fp32 logits: it walks the target tokens in chunks and computes logits, cross-entropy and their
+gradients chunk by chunk.
 
 Weights are stored fused where that saves kernel launches (q|k|v, k|v of cross-attention, wi_0|wi_1);
 `pretrain/model/hf.py` maps them to and from HF's names. This module imports neither `transformers` nor
@@ -335,11 +336,12 @@ class Block(nn.Module):
 class Stack(nn.Module):
     """Encoder (bidirectional buckets) or decoder (causal, with cross-attention): blocks + final norm.
 
-    The self-attention bias is made once per forward and shared by the blocks: with `attention="sdpa"` a
-    [1 or batch, heads, L, L] additive mask (the decoder's causal mask folded in as -inf, the padding bias added);
-    with `attention="flex"` a `FlexBias`: the [heads, L, L] fp32 position bias, the padding bias [batch, L] (added
-    in the score_mod, the same large negative as with SDPA; pretraining passes none) and, in the decoder, a
-    causal BlockMask. Cross-attention runs SDPA in both cases (no position bias; its mask is the padding bias)."""
+    The self-attention bias is made once per forward and shared by the blocks (the kind by
+    `T5Config.self_attention_kind` of the input's device): for SDPA a [1 or batch, heads, L, L] additive mask (the
+    decoder's causal mask folded in as -inf, the padding bias added); for flex a `FlexBias`: the [heads, L, L] fp32
+    position bias, the padding bias [batch, L] (added in the score_mod, the same large negative as with SDPA;
+    pretraining passes none) and, in the decoder, a causal BlockMask. Cross-attention runs SDPA in both cases (no
+    position bias; its mask is the padding bias)."""
 
     def __init__(self, config: T5Config, is_decoder: bool):
         super().__init__()

@@ -30,7 +30,8 @@ def test_peak_memory_is_extrapolated_from_the_batches_that_fit():
     assert predict([], 96) is None
     assert predict([{"batch": 64, "peak_mem_gib": 82.4}], 96) == pytest.approx(123.6)    # proportional: an upper bound
     # the line through the two largest (the H200's mt5-large flex figures: 66.9 GiB at 96, 84.3 at 128; 119.4 at 192)
-    fits = [{"batch": 64, "peak_mem_gib": 48.8}, {"batch": 96, "peak_mem_gib": 66.9}, {"batch": 128, "peak_mem_gib": 84.3}]
+    fits = [{"batch": 64, "peak_mem_gib": 48.8}, {"batch": 96, "peak_mem_gib": 66.9},
+            {"batch": 128, "peak_mem_gib": 84.3}]
     assert predict(fits, 192) == pytest.approx(119.1, abs=0.1)
 
 
