@@ -5,13 +5,14 @@
 Pure torch + transformers (no DeepSpeed). Both models hold the same weights (ours built with a seed, HF's
 made from it by pretrain.model.hf.to_hf), run bf16 parameters with fused AdamW on the same random batch
 (inputs 512, targets 114 by default). One step = zero_grad + forward (loss) + backward + optimizer step.
-Reported per variant: ms/step (the median of the timed steps, each timed alone; min-max beside it), tokens/s
-(input + target tokens), TFLOP/s from the exact count (pretrain.model.flops.train_step_flops), MFU against the
-device's datasheet dense bf16 peak (pretrain.metrics.PEAK_TFLOPS: 989.4 TFLOP/s for H100/H200 SXM, 312 for A100;
-`--peak-tflops` for others), beside it `x GEMM`: the fraction of a bf16 8192^3 matmul measured in the same run,
-peak memory, and speed-up against HF eager and HF compiled (what a user would pick instead) in the same run. The table is printed last; results.json and
-results.md go to --out. Interrupted (SIGINT, e.g. `timeout -s INT` inside a device call's limit), it still writes
-them for what it measured, says so, and exits 130. `--device cpu --models t5-tiny` is a smoke test.
+Reported per variant: ms/step (the median of the timed steps, each timed alone; min-max beside it), tokens/s (input
++ target tokens), TFLOP/s from the exact count (pretrain.model.flops.train_step_flops), MFU against the device's
+datasheet dense bf16 peak (pretrain.metrics.PEAK_TFLOPS: 989.4 TFLOP/s for H100/H200 SXM, 312 for A100;
+`--peak-tflops` for others), beside it `x GEMM`: the fraction of a bf16 8192^3 matmul measured in the same run, peak
+memory, and speed-up against HF eager and HF compiled (what a user would pick instead) in the same run. The table is
+printed last; results.json and results.md go to --out. Interrupted (SIGINT, e.g. `timeout -s INT` inside a device
+call's limit), it still writes them for what it measured, says so, and exits 130. `--device cpu --models t5-tiny` is
+a smoke test.
 
 `--batches 96 128 192 ...` also measures every variant at those batch sizes, in increasing order until one does not
 fit (a size whose peak memory, extrapolated from the sizes that fit, exceeds the device's is recorded as not
