@@ -51,14 +51,15 @@ def test_cpu_smoke_run_reports_each_batch_with_its_spread(tmp_path):
 
 def test_an_interrupted_run_still_writes_the_tables_of_what_it_measured(tmp_path):
     """SIGINT after the first measurement (a device call's time limit): exit 130, the tables of the rows finished."""
-    command = [sys.executable, str(SCRIPT), "--device", "cpu", "--models", "t5-tiny", "--variants", "ours", "hf",
-               "--batch", "2", "--steps", "200", "--warmup", "1", "--input-length", "32", "--target-length", "8",
+    # batch 64 takes ~30x batch 2's time per step: 200 of them cannot finish before the signal, on any machine
+    command = [sys.executable, str(SCRIPT), "--device", "cpu", "--models", "t5-tiny", "--variants", "ours",
+               "--batch", "2", "--batches", "64", "--steps", "200", "--warmup", "1", "--input-length", "32", "--target-length", "8",
                "--matmul-size", "256", "--out", str(tmp_path)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
-    for line in process.stdout:            # the first row is printed as JSON once measured; hf is then running
+    for line in iter(process.stdout.readline, ""):   # the first row is printed as JSON once measured; 64 then runs
         seen.append(line)
-        if line.startswith('{"variant": "ours"'):
+        if line.startswith('{"variant": "ours", "batch": 2'):
             time.sleep(1.0)
             process.send_signal(signal.SIGINT)
             break
@@ -66,5 +67,5 @@ def test_an_interrupted_run_still_writes_the_tables_of_what_it_measured(tmp_path
     assert process.wait(timeout=120) == 130, output[-2000:]
     assert "interrupted: the tables below hold the 1 measurement(s) finished" in output
     result = json.loads((tmp_path / "results.json").read_text())
-    assert result["interrupted"] and [r["variant"] for r in result["rows"]] == ["ours"]
+    assert result["interrupted"] and [(r["variant"], r["batch"]) for r in result["rows"]] == [("ours", 2)]
     assert "INTERRUPTED" in (tmp_path / "results.md").read_text()
