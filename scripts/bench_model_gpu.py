@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -252,6 +253,9 @@ def main() -> int:
 
     rows = []
     interrupted = False
+    # a shell without job control starts background commands with SIGINT ignored, and Python then leaves it so:
+    # the time limit's SIGINT must still stop the measuring
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:   # a device call's time limit (timeout -s INT) still gets the tables of what was measured
         for preset in args.models:
             ours_cpu = build(preset, seed=args.seed)
