@@ -188,6 +188,27 @@ def bench_variant(variant, ours_cpu, batch, args, flops_per_step, ceiling, peak)
     return row
 
 
+def measure(variant, ours_cpu, largest, size, args, ceiling, peak) -> dict:
+    """`bench_variant` on the first `size` examples of `largest`; a failure (out of memory, or any other) as the
+    row's error, so that the other variants' numbers are kept."""
+    batch = tuple(part[:size].to(args.device) for part in largest)
+    flops = train_step_flops(ours_cpu.config, size, args.input_length, args.target_length)
+    try:
+        return bench_variant(variant, ours_cpu, batch, args, flops, ceiling, peak)
+    except torch.OutOfMemoryError as err:
+        return {"variant": variant, "batch": size, "error": f"out of memory: {str(err).splitlines()[0]}"}
+    except Exception as err:
+        return {"variant": variant, "batch": size, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+    finally:
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def ms_spread(row: dict) -> str:
+    """A row's median ms per step with the min-max of its timed steps."""
+    return f"{row['ms_per_step']:.1f} ({row['ms_min']:.1f}-{row['ms_max']:.1f})"
+
+
 def predicted_peak_gib(fits: list[dict], size: int) -> float | None:
     """Peak memory at batch `size` from the batches that fit: the line through the two largest (fixed weights and
     optimizer state plus activations that grow with the batch), or proportional to the one (an overestimate)."""
@@ -252,6 +273,7 @@ def main() -> int:
           flush=True)
 
     rows = []
+    capacity = torch.cuda.get_device_properties(0).total_memory / 2**30 if args.device == "cuda" else None
     interrupted = False
     # a shell without job control starts background commands with SIGINT ignored, and Python then leaves it so:
     # the time limit's SIGINT must still stop the measuring
@@ -275,30 +297,16 @@ def main() -> int:
             for variant in args.variants:
                 for size in sizes:            # the same examples at every size: a prefix of the largest batch
                     fits = [r for r in rows if (r["model"], r["variant"]) == (preset, variant) and "error" not in r]
-                    predicted = predicted_peak_gib(fits, size) if args.device == "cuda" else None
-                    capacity = torch.cuda.get_device_properties(0).total_memory / 2**30 if args.device == "cuda" else 0
+                    predicted = predicted_peak_gib(fits, size) if capacity else None
                     if predicted is not None and size > args.batch and predicted > capacity:
                         # not run: a whole-model compile (HF's takes ~150 s) only to run out of memory
-                        row = {"model": preset, "variant": variant, "batch": size,
-                               "error": f"predicted out of memory: {predicted:.0f} GiB > {capacity:.0f} GiB"}
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
-                        break
-                    batch = tuple(part[:size].to(args.device) for part in largest)
-                    flops = train_step_flops(config, size, args.input_length, args.target_length)
-                    try:
-                        row = bench_variant(variant, ours_cpu, batch, args, flops, ceiling, peak)
-                    except torch.OutOfMemoryError as err:
-                        row = {"variant": variant, "batch": size, "error": f"out of memory: {str(err).splitlines()[0]}"}
-                    except Exception as err:  # keep the other variants' numbers; report this one's failure
                         row = {"variant": variant, "batch": size,
-                               "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+                               "error": f"predicted out of memory: {predicted:.0f} GiB > {capacity:.0f} GiB"}
+                    else:
+                        row = measure(variant, ours_cpu, largest, size, args, ceiling, peak)
                     row["model"] = preset
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-                    del batch
-                    if args.device == "cuda":
-                        torch.cuda.empty_cache()
                     if "error" in row and size >= args.batch:   # a larger batch will not fit either
                         break
             del ours_cpu
@@ -320,8 +328,7 @@ def main() -> int:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['variant']} | {r['error']} |||||||||")
             continue
-        spread = f"{r['ms_per_step']:.1f} ({r['ms_min']:.1f}-{r['ms_max']:.1f})"
-        lines.append(f"| {r['model']} | {r['variant']} | {spread} | "
+        lines.append(f"| {r['model']} | {r['variant']} | {ms_spread(r)} | "
                      f"{r['tokens_per_s']:,.0f} | "
                      f"{r['tflops']:.1f} | {100 * r['mfu']:.1f}% | {100 * r['of_gemm']:.1f}% | "
                      f"{r.get('speedup_vs_hf', float('nan')):.2f} | {r.get('speedup_vs_hf_compile', float('nan')):.2f} | "
@@ -334,8 +341,7 @@ def main() -> int:
                   "| model | variant | batch | largest that fit | ms/step (min-max) | tokens/s | MFU | peak GiB | "
                   "x HF compiled |\n"
                   "|---|---|---:|---:|---:|---:|---:|---:|---:|\n" + "\n".join(
-                      f"| {r['model']} | {r['variant']} | {r['batch']} | {r['largest_fit']} | {r['ms_per_step']:.1f} "
-                      f"({r['ms_min']:.1f}-{r['ms_max']:.1f}) | "
+                      f"| {r['model']} | {r['variant']} | {r['batch']} | {r['largest_fit']} | {ms_spread(r)} | "
                       f"{r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_mem_gib']:.1f} | "
                       f"{r.get('best_vs_hf_compile', float('nan')):.2f} |" for r in best))
     summary = (f"{env['device']}, torch {env['torch']}, transformers {env.get('transformers', '-')}; bf16 params + "

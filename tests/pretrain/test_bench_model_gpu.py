@@ -1,7 +1,7 @@
-"""scripts/bench_model_gpu.py's batch search (issue 19): each timed step on its own (the table's min-max), and a
-larger batch whose peak memory, extrapolated from the batches that fit, exceeds the device's is recorded as not
-fitting without being run (on the GPU an HF whole-model compile takes ~150 s before it would run out of memory).
-Real run: t5-tiny, eager, on the CPU."""
+"""scripts/bench_model_gpu.py's batch search (issue 19): each timed step on its own (the table's min-max), a
+larger batch whose peak memory, extrapolated from the batches that fit, exceeds the device's recorded as not fitting
+without being run (on the GPU an HF whole-model compile takes ~150 s before it would run out of memory), and an
+interrupted run that still writes its tables. Real runs: t5-tiny, eager, on the CPU."""
 
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ def test_an_interrupted_run_still_writes_the_tables_of_what_it_measured(tmp_path
     """SIGINT after the first measurement (a device call's time limit): exit 130, the tables of the rows finished."""
     # batch 64 takes ~30x batch 2's time per step: 200 of them cannot finish before the signal, on any machine
     command = [sys.executable, str(SCRIPT), "--device", "cpu", "--models", "t5-tiny", "--variants", "ours",
-               "--batch", "2", "--batches", "64", "--steps", "200", "--warmup", "1", "--input-length", "32", "--target-length", "8",
-               "--matmul-size", "256", "--out", str(tmp_path)]
+               "--batch", "2", "--batches", "64", "--steps", "200", "--warmup", "1", "--input-length", "32",
+               "--target-length", "8", "--matmul-size", "256", "--out", str(tmp_path)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
     for line in iter(process.stdout.readline, ""):   # the first row is printed as JSON once measured; 64 then runs
