@@ -111,13 +111,18 @@ def check_ray_address(address: str) -> None:
 
 def _exit_cleanly_on_sigterm():
     """SIGTERM -> one line and exit status 143 through the `finally` blocks (Ray's own handler dumps a native
-    stack and aborts). Returns what puts the previous handler back (nothing is changed off the main thread)."""
+    stack and aborts); after the line, the process's stderr goes to /dev/null. Returns what puts the previous handler back (nothing is changed off the main thread)."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
     def stop(signum, frame):
         print("stopped by SIGTERM; finished work units are kept, and the same command resumes", file=sys.stderr,
               flush=True)
+        # The rest of the way out is Ray's: its C++ core worker reports on stderr the tasks the shutdown cancels
+        # ("Failed to push error to driver", now and then); the one line above is what the user needs
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, stop)
