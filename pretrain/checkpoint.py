@@ -259,9 +259,10 @@ RESUME_FREE = frozenset({
     "stop_after", "save_every", "save_final", "keep_checkpoints", "resume", "resume_allow", "export_hf", "force",
     "verify", "cache_dir", "peak_tflops", "tokenizer", "input_length", "target_length", "compile",
     "activation_checkpointing", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-    "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_unit", "nvme_path", "micro_batch",
-    "global_batch", "spike_sigmas", "spike_window", "rollback_after", "debug_nan_batches", "debug_spike_batches",
-    "max_restarts", "rank_timeout", "remote_prefetch_shards", "cache_max_gib", "omp_num_threads", "cpu_affinity"})
+    "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_unit", "stage3_module_hooks",
+    "nvme_path", "micro_batch", "global_batch", "spike_sigmas", "spike_window", "rollback_after", "debug_nan_batches",
+    "debug_spike_batches", "max_restarts", "rank_timeout", "remote_prefetch_shards", "cache_max_gib", "omp_num_threads",
+    "cpu_affinity"})
 # What the checkpoint's tensors are: another value cannot be loaded (another ZeRO stage's partitions, another
 # offload's optimizer layout and another precision are not converted here).
 RESUME_FIXED = frozenset({"model", "model_overrides", "vocab_size", "zero", "offload", "precision"})

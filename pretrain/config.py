@@ -25,6 +25,7 @@ PRECISIONS = ("auto", "bf16", "fp32")
 LOADERS = ("shards", "online", "remote")   # pretrain.data: mmap'd shard set, text tokenised in the workers, s3 stream
 CPU_AFFINITIES = ("none", "split")
 GATHER_UNITS = ("block", "stack")     # ZeRO 3's unit of gathering; pretrain.model.zero3 maps each to a module
+MODULE_HOOKS = ("auto", "keep")       # ZeRO 3's module hooks: pretrain.model.zero3.drop_idle_module_hooks
 STAGE3_TUNABLES = ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
                    "stage3_max_live_parameters", "stage3_max_reuse_distance")
 
@@ -107,6 +108,9 @@ class TrainConfig:
     stage3_max_reuse_distance: int | None = setting(None, "ZeRO-3: keep a param gathered if reused within this")
     stage3_gather_unit: str = setting("block", "ZeRO-3: gather each T5 block, or each whole encoder/decoder stack "
                                                "at once", choices=GATHER_UNITS)
+    stage3_module_hooks: str = setting("auto", "ZeRO-3: DeepSpeed's per-module fetch/release hooks; auto leaves them "
+                                               "out where they have nothing to do (one rank, every weight resident, "
+                                               "nothing offloaded), keep always runs them", choices=MODULE_HOOKS)
     # -- long runs (issue 18; docs/pretrain.md "Long runs"): restarts of the local launcher, its watchdog -------
     max_restarts: int = setting(0, "--nproc launches: when a rank dies or hangs, stop all ranks and start them again "
                                    "with --resume from the newest complete checkpoint, up to N times (torchrun: "
@@ -144,6 +148,7 @@ class TrainConfig:
 
         for name, allowed in (("zero", ZERO_STAGES), ("offload", OFFLOADS), ("schedule", SCHEDULES),
                               ("precision", PRECISIONS), ("stage3_gather_unit", GATHER_UNITS),
+                              ("stage3_module_hooks", MODULE_HOOKS),
                               ("loader", LOADERS), ("cpu_affinity", CPU_AFFINITIES)):
             need(getattr(self, name) in allowed,
                  f"--{name.replace('_', '-')} must be one of {', '.join(map(str, allowed))}; got {getattr(self, name)!r}")

@@ -213,6 +213,10 @@ class Trainer:
             lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))
         self.engine_note = {"optimizer": type(self.optimizer).__name__,
                             "overflow_check_fused": fuse_overflow_check(self.optimizer)}
+        if config.zero == 3:
+            from pretrain.model.zero3 import drop_idle_module_hooks
+            self.engine_note["module_hooks"] = ("dropped" if config.stage3_module_hooks == "auto"
+                                                and drop_idle_module_hooks(self.optimizer) else "kept")
         self.pending: dict[str, Any] = {}      # the optimizer step being taken: its loss, grad norm and verdict
         self._guard_inner_optimizer()
         self.timeline.mark("engine")

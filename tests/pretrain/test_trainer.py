@@ -272,6 +272,27 @@ def test_resume_at_another_rank_count_continues_the_data_order(runs):
         assert ("universal checkpoint" in result.stdout) == (stage > 0), stage
         config = json.loads((runs.dir(f"one{stage}") / "config.json").read_text())
         assert config["deepspeed"].get("checkpoint", {}).get("load_universal", False) == (stage > 0)
+        if stage == 3:      # resumed on one rank without its module hooks (the test below)
+            assert config["engine"]["module_hooks"] == "dropped"
+
+
+def test_zero3_on_one_rank_leaves_out_its_idle_module_hooks_with_the_same_losses(runs):
+    """One rank, every weight resident: ZeRO 3's module hooks have nothing to fetch or release and are left out
+    (`drop_idle_module_hooks`); compiled blocks, the same losses to the last bit as with them (`keep`), and those
+    of the 2-rank ZeRO 2 reference within the stages' tolerance. With 2 ranks (stop3 above) they stay."""
+    ref = runs.ref()
+    records = {}
+    for hooks in ("auto", "keep"):
+        runs.run(f"hooks-{hooks}", "--zero", "3", "--nproc", "1", "--stop-after", str(HALF), "--compile",
+                 "--stage3-module-hooks", hooks)
+        records[hooks] = runs.metrics(f"hooks-{hooks}")
+        engine = json.loads((runs.dir(f"hooks-{hooks}") / "config.json").read_text())["engine"]
+        assert engine["module_hooks"] == ("dropped" if hooks == "auto" else "kept")
+    assert losses(records["auto"]) == losses(records["keep"])
+    assert [r["grad_norm"] for r in records["auto"]] == [r["grad_norm"] for r in records["keep"]]
+    assert losses(records["auto"]) == pytest.approx(losses(ref[:HALF]), rel=2e-5, abs=2e-5)
+    runs.stopped(3)
+    assert json.loads((runs.dir("stop3") / "config.json").read_text())["engine"]["module_hooks"] == "kept"
 
 
 def test_a_corrupt_partition_fails_the_conversion_with_one_line(runs):
