@@ -188,8 +188,7 @@ class ShardLoader(LoaderProcesses):
                 for start in range(0, rows, micro):
                     sampler.rank_position += micro  # counted as the consumer takes it
                     yield {"input_ids": inputs[start:start + micro], "labels": labels[start:start + micro]}
-            sampler.epoch += 1
-            sampler.rank_position = 0
+            sampler.next_epoch()
 
     def close(self) -> None:
         """Shut down the worker processes now (they also stop when the loader is garbage-collected)."""

@@ -45,8 +45,30 @@ class GlobalOrderSampler(Sampler[int]):
         self.world_size = int(world_size)
         self.rank_batch_size = self.global_batch_size // self.world_size
         self.batches_per_epoch = self.num_samples // self.global_batch_size
-        self.epoch = 0
-        self.rank_position = 0  # indices of `epoch` this rank has yielded (over all its slices)
+        # (epoch, indices of it this rank has yielded, over all its slices) in one attribute: the remote mode's
+        # prefetch thread reads the position while the consumer moves it, and an epoch's turn must not show it
+        # a new epoch with the old one's position (it would evict the shards being read)
+        self._at = (0, 0)
+
+    @property
+    def epoch(self) -> int:
+        return self._at[0]
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self._at = (int(value), self._at[1])
+
+    @property
+    def rank_position(self) -> int:
+        return self._at[1]
+
+    @rank_position.setter
+    def rank_position(self, value: int) -> None:
+        self._at = (self._at[0], int(value))
+
+    def next_epoch(self) -> None:
+        """Position 0 of the next epoch, in one step (see `_at`)."""
+        self._at = (self._at[0] + 1, 0)
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """All samples in the order of `epoch`: a permutation seeded by (seed, epoch)."""
@@ -74,12 +96,12 @@ class GlobalOrderSampler(Sampler[int]):
                 index = int(flat[self.rank_position])
                 self.rank_position += 1
                 yield index
-            self.epoch += 1
-            self.rank_position = 0
+            self.next_epoch()
 
     def state_dict(self) -> dict[str, int]:
-        full, partial = divmod(self.rank_position, self.rank_batch_size)
-        return {"seed": self.seed, "epoch": self.epoch,
+        epoch, position = self._at
+        full, partial = divmod(position, self.rank_batch_size)
+        return {"seed": self.seed, "epoch": epoch,
                 "consumed_samples": full * self.global_batch_size + partial * self.world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -92,8 +114,8 @@ class GlobalOrderSampler(Sampler[int]):
                             f"step, with the same --global-batch")
         epoch += full // self.batches_per_epoch  # a state at the very end of an epoch continues in the next
         full %= self.batches_per_epoch
-        self.seed, self.epoch = seed, epoch
-        self.rank_position = full * self.rank_batch_size + partial // self.world_size
+        self.seed = seed
+        self._at = (epoch, full * self.rank_batch_size + partial // self.world_size)
 
 
 class ShardOrderSampler(GlobalOrderSampler):

@@ -118,3 +118,39 @@ def test_mid_batch_state_is_refused_where_it_cannot_be_exact():
         sampler.load_state_dict({"seed": 0, "epoch": 0, "consumed_samples": 10})
     with pytest.raises(UserError):
         sampler.load_state_dict({"seed": 0, "epoch": -1, "consumed_samples": 0})
+
+
+def test_another_thread_never_sees_a_new_epoch_with_the_old_ones_position():
+    """The remote mode's prefetch thread reads `state_dict()` while the consumer moves the position; at an epoch's
+    turn it once saw the next epoch at the finished one's position, took that epoch's shards for read and evicted
+    them while the loader workers read them (the cache went over its limit). Here epoch e is left at position
+    E - e, so such a mix, (e + 1, E - e), is never a state the consumer was in; the interpreter switches threads
+    every microsecond to make the old race show within the test."""
+    import sys
+    import threading
+
+    sampler = GlobalOrderSampler(100, 1, seed=0)
+    epochs = 60
+    seen, stop = [], threading.Event()
+
+    def observe():
+        while not stop.is_set():
+            state = sampler.state_dict()
+            seen.append((state["epoch"], state["consumed_samples"]))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    observer = threading.Thread(target=observe)
+    observer.start()
+    try:
+        for epoch in range(epochs):
+            for position in range(epochs - epoch + 1):
+                sampler.rank_position = position
+            sampler.next_epoch()
+    finally:
+        stop.set()
+        observer.join()
+        sys.setswitchinterval(interval)
+    assert len(seen) > 100
+    mixed = [(e, p) for e, p in seen if p > epochs - e]
+    assert not mixed, mixed[:5]
