@@ -7,6 +7,7 @@
 # report, and puts the log and the study (study.json, runs/, logs/ as runs.tar.gz) into $OUT/GRID-NAME (or
 # ./gpu-out/GRID-NAME): two files per study, as a call brings back at most 8. Give the device call 90 s more than
 # SECONDS: an interrupted study stops its launches (up to 40 s), then the report and the archive are written.
+# A call cut short anyway (less device time left than asked) still brings back runs.tar.gz as of the last 30 s.
 # Here, unpack runs.tar.gz into a directory and run `study report DIR` for results.csv, report.md and the plots.
 # The study lives in STUDY_DIR (default .gpu/studies/GRID-NAME). A machine kept warm between calls does NOT keep
 # it (the carried .gpu/ paths replace that folder): to go on with a grid, unpack the last runs.tar.gz into
@@ -19,14 +20,23 @@ NAME=gpu_study; source scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__, "gpus", torch.cuda.device_count())' 2>&1 | grep -v WARNING
 STUDY=${STUDY_DIR:-.gpu/studies/$(basename "$GRID" .yaml)}
+archive() {  # what is finished so far -> $DEST/runs.tar.gz, replaced whole (a profiled point's Chrome trace,
+  # trace-rank0.json.gz, tens of MiB at mt5-xl, stays there: its summary.json and ops.txt come back, and a call
+  # brings back at most 16 MiB a file)
+  local part="$DEST/.runs-$BASHPID.tar.gz"    # the loop's and finish()'s never share one
+  tar -czf "$part" -C "$STUDY" --exclude='checkpoints' --exclude='tb' --exclude='*.gate' \
+    --exclude='trace-rank0.json.gz' study.json runs logs 2>/dev/null && mv -f "$part" "$DEST/runs.tar.gz"
+  rm -f "$part"
+}
 finish() {   # whatever ended the study (its time, an error): the report and the archive of what is finished
+  [ -n "${ARCHIVER:-}" ] && kill "$ARCHIVER" 2>/dev/null
   python3 -m pretrain.study.cli report "$STUDY" 2>&1 | tee -a "$DEST/study.log"
-  # a profiled point's Chrome trace (trace-rank0.json.gz, tens of MiB at mt5-xl) stays there: its summary.json and
-  # ops.txt come back, and a call brings back at most 16 MiB a file
-  tar -czf "$DEST/runs.tar.gz" -C "$STUDY" --exclude='checkpoints' --exclude='tb' --exclude='*.gate' \
-    --exclude='trace-rank0.json.gz' study.json runs logs 2>/dev/null
+  archive
   ls -la "$DEST"
 }
 trap finish EXIT
+# a device call cut at its limit (less device time left than asked) kills this script before finish(): archive
+# every 30 s too, so that the points finished by then come back
+( while sleep 30; do archive; done ) & ARCHIVER=$!
 timeout -s INT -k 60 "$SECONDS_FOR_STUDY" python3 -m pretrain.study.cli run "$GRID" --data "$DATA" --out "$STUDY" 2>&1 \
-  | grep -v 'real_accelerator.py' | tee "$DEST/study.log"
+  | grep --line-buffered -v 'real_accelerator.py' | tee "$DEST/study.log"

@@ -19,4 +19,4 @@ finish() {
 }
 trap finish EXIT
 timeout -s INT -k 60 "$SECONDS_FOR_TUNE" python3 -m pretrain.study.cli tune --space "$SPACE" --data "$DATA" \
-  --out "$TUNE" "$@" 2>&1 | grep -v 'real_accelerator.py' | tee "$DEST/tune.log"
+  --out "$TUNE" "$@" 2>&1 | grep --line-buffered -v 'real_accelerator.py' | tee "$DEST/tune.log"
