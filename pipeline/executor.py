@@ -111,7 +111,8 @@ def check_ray_address(address: str) -> None:
 
 def _exit_cleanly_on_sigterm():
     """SIGTERM -> one line and exit status 143 through the `finally` blocks (Ray's own handler dumps a native
-    stack and aborts); after the line, the process's stderr goes to /dev/null. Returns what puts the previous handler back (nothing is changed off the main thread)."""
+    stack and aborts); after the line, the process's stderr goes to /dev/null. Returns what puts the previous
+    handler back (nothing is changed off the main thread)."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 

@@ -52,11 +52,8 @@ class GlobalOrderSampler(Sampler[int]):
 
     @property
     def epoch(self) -> int:
+        """Read-only: an epoch moves on only by `next_epoch` (or `load_state_dict`), with its position."""
         return self._at[0]
-
-    @epoch.setter
-    def epoch(self, value: int) -> None:
-        self._at = (int(value), self._at[1])
 
     @property
     def rank_position(self) -> int:
