@@ -1,0 +1,99 @@
+"""pretrain.zero2: what ZeRO 1-2's step does for nothing, left out with DeepSpeed's own numbers.
+
+- `fuse_grad_norm`: the global 2-norm from one multi-tensor norm equals DeepSpeed's `get_grad_norm_direct` (each
+  gradient copied to fp32 and normed alone) to fp32 rounding, on bf16 and fp32 gradients, with the zero padding
+  DeepSpeed leaves out, and gives DeepSpeed's masked value for a NaN or inf.
+- `skip_one_rank_reduction`: only where the reduction is an identity. The end-to-end check (the same losses and
+  grad norms to the last bit with and without it, 2 micro steps per step) is
+  tests/pretrain/test_trainer.py::test_zero2_on_one_rank_leaves_out_its_reduction_with_the_same_losses.
+"""
+
+from __future__ import annotations
+
+import deepspeed.comm
+import pytest
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+from pretrain.zero2 import fuse_grad_norm, skip_one_rank_reduction
+
+
+@pytest.fixture(scope="module")
+def world_of_one(tmp_path_factory):
+    """A one-rank gloo group in this process (the norms' all-reduce needs one)."""
+    if dist.is_initialized():
+        yield None
+        return
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    deepspeed.comm.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)   # DeepSpeed's norm calls it
+    yield None
+    dist.destroy_process_group()
+    deepspeed.comm.comm.cdb = None
+
+
+def zero_with(grads, **fields):
+    """A DeepSpeedZeroOptimizer holding only the fields its norm and reduction read."""
+    zero = DeepSpeedZeroOptimizer.__new__(DeepSpeedZeroOptimizer)
+    zero.params_in_partition = [[torch.nn.Parameter(torch.zeros_like(g)) for g in grads]]
+    zero.bit16_groups = zero.params_in_partition
+    zero.dp_process_group = dist.group.WORLD
+    zero.model_parallel_group, zero.model_parallel_rank, zero.mpu = None, 0, None
+    zero.device = "cpu"
+    for name, value in fields.items():
+        setattr(zero, name, value)
+    return zero
+
+
+def grads_of(dtype):
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(64, 48), (48,), (300,), (7, 5, 3)]
+    return [(torch.randn(shape, generator=generator) * scale).to(dtype)
+            for shape, scale in zip(shapes, (1e-3, 3.0, 1e2, 1.0))]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_norm_equals_deepspeeds(world_of_one, dtype):
+    grads = grads_of(dtype)
+    padding = torch.zeros(5, dtype=dtype)
+    padding._zero_padding = True
+    zero = zero_with(grads)
+    expected = DeepSpeedZeroOptimizer.get_grad_norm_direct(zero, grads + [padding], zero.params_in_partition[0])
+    assert fuse_grad_norm(zero) is True
+    fused = zero.get_grad_norm_direct(grads + [padding], zero.params_in_partition[0])
+    assert fused.dtype == expected.dtype == torch.float32
+    assert float(fused) == pytest.approx(float(expected), rel=1e-6)
+    assert float(fused) == pytest.approx(float(torch.cat([g.float().flatten() for g in grads]).norm()), rel=1e-6)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nonfinite_gradient_gives_deepspeeds_masked_norm(world_of_one, bad):
+    grads = grads_of(torch.bfloat16)
+    grads[2][7] = bad
+    zero = zero_with(grads)
+    expected = DeepSpeedZeroOptimizer.get_grad_norm_direct(zero, grads, zero.params_in_partition[0])
+    fuse_grad_norm(zero)
+    assert float(zero.get_grad_norm_direct(grads, zero.params_in_partition[0])) == float(expected) == -1.0
+
+
+def test_model_parallel_weights_keep_deepspeeds_norm(world_of_one):
+    grads = grads_of(torch.float32)
+    zero = zero_with(grads)
+    zero.params_in_partition[0][0].tensor_model_parallel = True
+    assert fuse_grad_norm(zero) is False
+    assert fuse_grad_norm(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])) is False
+
+
+def test_the_reduction_is_left_out_only_where_it_is_an_identity(world_of_one):
+    one_rank = dict(overlap_comm=False, cpu_offload=False, contiguous_gradients=True, reduce_scatter=True,
+                    gradient_accumulation_dtype=torch.bfloat16, dtype=torch.bfloat16, ipg_buckets={},
+                    sequence_parallel_size=1, has_moe_layers=False)
+    for change in ({"overlap_comm": True}, {"cpu_offload": True}, {"contiguous_gradients": False},
+                   {"reduce_scatter": False}, {"gradient_accumulation_dtype": torch.float32}):
+        assert skip_one_rank_reduction(zero_with(grads_of(torch.bfloat16), **{**one_rank, **change})) is False, change
+    zero = zero_with(grads_of(torch.bfloat16), **one_rank)
+    assert skip_one_rank_reduction(zero) is True
+    bucket = torch.arange(6.0)
+    assert zero.average_tensor(bucket, torch.bfloat16) is None
+    assert bucket.tolist() == list(range(6))
