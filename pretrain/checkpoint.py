@@ -260,7 +260,7 @@ RESUME_FREE = frozenset({
     "verify", "cache_dir", "peak_tflops", "tokenizer", "input_length", "target_length", "compile",
     "activation_checkpointing", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
     "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_unit", "stage3_module_hooks",
-    "one_rank_reduction", "nvme_path", "micro_batch", "global_batch", "spike_sigmas", "spike_window", "rollback_after", "debug_nan_batches",
+    "nvme_path", "micro_batch", "global_batch", "spike_sigmas", "spike_window", "rollback_after", "debug_nan_batches",
     "debug_spike_batches", "max_restarts", "rank_timeout", "remote_prefetch_shards", "cache_max_gib", "omp_num_threads",
     "cpu_affinity"})
 # What the checkpoint's tensors are: another value cannot be loaded (another ZeRO stage's partitions, another

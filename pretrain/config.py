@@ -26,7 +26,6 @@ LOADERS = ("shards", "online", "remote")   # pretrain.data: mmap'd shard set, te
 CPU_AFFINITIES = ("none", "split")
 GATHER_UNITS = ("block", "stack")     # ZeRO 3's unit of gathering; pretrain.model.zero3 maps each to a module
 MODULE_HOOKS = ("auto", "keep")       # ZeRO 3's module hooks: pretrain.model.zero3.drop_idle_module_hooks
-ONE_RANK_REDUCTION = ("auto", "keep")  # ZeRO 1-2's gradient reduction on one rank: pretrain.zero2
 STAGE3_TUNABLES = ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
                    "stage3_max_live_parameters", "stage3_max_reuse_distance")
 
@@ -112,9 +111,6 @@ class TrainConfig:
     stage3_module_hooks: str = setting("auto", "ZeRO-3: DeepSpeed's per-module fetch/release hooks; auto leaves them "
                                                "out where they have nothing to do (one rank, every weight resident, "
                                                "nothing offloaded), keep always runs them", choices=MODULE_HOOKS)
-    one_rank_reduction: str = setting("auto", "ZeRO 1-2 on one rank with nothing offloaded: auto leaves out "
-                                              "DeepSpeed's gradient reduction (an average over one rank) and its "
-                                              "overlap stream, keep runs them", choices=ONE_RANK_REDUCTION)
     # -- long runs (issue 18; docs/pretrain.md "Long runs"): restarts of the local launcher, its watchdog -------
     max_restarts: int = setting(0, "--nproc launches: when a rank dies or hangs, stop all ranks and start them again "
                                    "with --resume from the newest complete checkpoint, up to N times (torchrun: "
@@ -152,7 +148,7 @@ class TrainConfig:
 
         for name, allowed in (("zero", ZERO_STAGES), ("offload", OFFLOADS), ("schedule", SCHEDULES),
                               ("precision", PRECISIONS), ("stage3_gather_unit", GATHER_UNITS),
-                              ("stage3_module_hooks", MODULE_HOOKS), ("one_rank_reduction", ONE_RANK_REDUCTION),
+                              ("stage3_module_hooks", MODULE_HOOKS),
                               ("loader", LOADERS), ("cpu_affinity", CPU_AFFINITIES)):
             need(getattr(self, name) in allowed,
                  f"--{name.replace('_', '-')} must be one of {', '.join(map(str, allowed))}; got {getattr(self, name)!r}")

@@ -86,11 +86,6 @@ def build_ds_config(config: TrainConfig, *, world_size: int, grad_accum: int, ac
         # and backward. Every weight stays resident instead: mt5-xl on one H200 0.64x -> 0.73x ZeRO 2, the same peak
         # memory and losses (docs/pretrain.md). The flag, or a deepspeed: mapping, still sets it.
         zero_section["stage3_param_persistence_threshold"] = WORLD_OF_ONE_PERSISTENCE
-    if (config.zero in (1, 2) and world_size == 1 and config.offload == "none"
-            and config.one_rank_reduction == "auto"):
-        # one rank: no communication to overlap, yet the overlap stream costs a device synchronisation per
-        # gradient bucket; on one stream the reduction itself can be left out (pretrain.zero2, docs/pretrain.md)
-        zero_section["overlap_comm"] = False
     if config.deepspeed:
         ds = deep_merge(ds, config.deepspeed)
     return ds

@@ -28,7 +28,7 @@ from pretrain.anomalies import DEBUG_SPIKE_FACTOR, MAX_ROLLBACKS, StepGuard
 from pretrain.ranks import RESUMABLE_EXIT, heartbeat, launch_t0, preemption, startup_threads
 from pretrain.hostcpu import HostMeter, bind_rank, set_omp_threads
 from pretrain.metrics import MetricsLog, PhaseClock, host_peak_rss_gib, peak_tflops_for, summarize, write_summary
-from pretrain.zero2 import fuse_grad_norm, skip_one_rank_reduction
+from pretrain.zero2 import fuse_grad_norm
 
 
 @dataclasses.dataclass
@@ -215,9 +215,6 @@ class Trainer:
         self.engine_note = {"optimizer": type(self.optimizer).__name__,
                             "overflow_check_fused": fuse_overflow_check(self.optimizer),
                             "grad_norm_fused": fuse_grad_norm(self.optimizer)}
-        if config.zero in (1, 2):
-            self.engine_note["one_rank_reduction"] = ("skipped" if config.one_rank_reduction == "auto"
-                                                      and skip_one_rank_reduction(self.optimizer) else "kept")
         if config.zero == 3:
             from pretrain.model.zero3 import drop_idle_module_hooks
             self.engine_note["module_hooks"] = ("dropped" if config.stage3_module_hooks == "auto"

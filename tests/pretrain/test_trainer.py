@@ -295,28 +295,6 @@ def test_zero3_on_one_rank_leaves_out_its_idle_module_hooks_with_the_same_losses
     assert json.loads((runs.dir("stop3") / "config.json").read_text())["engine"]["module_hooks"] == "kept"
 
 
-def test_zero2_on_one_rank_leaves_out_its_reduction_with_the_same_losses(runs):
-    """One rank, nothing offloaded: ZeRO 2's gradient reduction is an average over one rank and its overlap stream
-    has nothing to overlap; both are left out (`pretrain.zero2.skip_one_rank_reduction`, `overlap_comm` off) with
-    the same losses and grad norms to the last bit as with them (`keep`), 2 micro steps per step so the partition
-    is accumulated into; those of the 2-rank reference within the stages' tolerance. With 2 ranks it stays."""
-    ref = runs.ref()
-    records = {}
-    for reduction in ("auto", "keep"):
-        runs.run(f"reduce-{reduction}", "--zero", "2", "--nproc", "1", "--micro-batch", "8",
-                 "--stop-after", str(HALF), "--one-rank-reduction", reduction)
-        records[reduction] = runs.metrics(f"reduce-{reduction}")
-        config = json.loads((runs.dir(f"reduce-{reduction}") / "config.json").read_text())
-        assert config["engine"]["one_rank_reduction"] == ("skipped" if reduction == "auto" else "kept")
-        assert config["engine"]["grad_norm_fused"] is True
-        assert config["deepspeed"]["zero_optimization"]["overlap_comm"] == (reduction == "keep")
-    assert [r["grad_accum"] for r in records["auto"]] == [2] * HALF
-    assert losses(records["auto"]) == losses(records["keep"])
-    assert [r["grad_norm"] for r in records["auto"]] == [r["grad_norm"] for r in records["keep"]]
-    assert losses(records["auto"]) == pytest.approx(losses(ref[:HALF]), rel=2e-5, abs=2e-5)
-    assert json.loads((runs.dir("ref") / "config.json").read_text())["engine"]["one_rank_reduction"] == "kept"
-
-
 def test_a_corrupt_partition_fails_the_conversion_with_one_line(runs):
     runs.ref()
     broken = runs.dir("broken")
