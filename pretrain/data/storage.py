@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from pipeline.shard_format import MANIFEST_NAME, parse_manifest, shard_file_prob
 
 DEFAULT_CACHE_DIR = "~/.cache/t5zero"
 DOWNLOAD_THREADS = 4
+ROOM_WAIT_S = 5.0          # how long a reader waits for the prefetch thread to make room in a bounded cache
 
 
 def is_url(path_or_url: str | os.PathLike) -> bool:
@@ -263,19 +265,32 @@ class ShardStreamer:
     def cached_bytes(self) -> int:
         return sum(int(s["bytes"]) for i, s in enumerate(self.shards) if self.present(i))
 
-    def fetch(self, index: int) -> None:
-        """Shard `index` in the cache, checked (downloads it unless present; one process per node does)."""
+    def fetch(self, index: int, *, wait_for_room: bool = True) -> None:
+        """Shard `index` in the cache, checked (downloads it unless present; one process per node does). A reader
+        first waits a little for room (`_wait_for_room`); the prefetch thread, which made room itself, does not."""
         if self._error is not None:
             raise self._error
         if self.present(index):
             return
         shard = self.shards[index]
+        if wait_for_room:
+            self._wait_for_room(int(shard["bytes"]), index)
         local = self.local_dir / shard["path"]
         local.parent.mkdir(parents=True, exist_ok=True)
         with _cache_lock(local):
             if not self.present(index):
                 _download_shard(self._filesystem(), f"{self.url}/{shard['path']}", local, shard)
                 self.fetched.append(index)
+
+    def _wait_for_room(self, size: int, index: int) -> None:
+        """A reader (a loader worker, or the rank when it has none) that needs a shard the prefetch thread has not
+        fetched yet waits up to ROOM_WAIT_S for the thread to evict a finished shard, so that the cache stays within
+        `max_bytes` when the thread runs late (a busy host: the ranks' Python threads share one interpreter lock).
+        Then it downloads anyway: a read the cache cannot hold beside the others goes ahead, past the limit."""
+        deadline = time.monotonic() + ROOM_WAIT_S
+        while (self.max_bytes is not None and self.cached_bytes() + size > self.max_bytes
+               and not self.present(index) and time.monotonic() < deadline):
+            time.sleep(0.02)
 
     def evict(self, index: int) -> None:
         path = self.local_dir / self.shards[index]["path"]
@@ -324,7 +339,7 @@ class ShardStreamer:
                     size = int(self.shards[index]["bytes"])
                     if self.max_bytes is not None and self.cached_bytes() + size > self.max_bytes:
                         break                                 # wait for the consumer to finish a shard
-                    self.fetch(index)
+                    self.fetch(index, wait_for_room=False)
                     work = True
                     break                                     # re-read the position after every download
                 self.peak_cached_bytes = max(self.peak_cached_bytes, self.cached_bytes())
