@@ -128,25 +128,32 @@ def test_another_thread_never_sees_a_new_epoch_with_the_old_ones_position():
     every microsecond to make the old race show within the test."""
     import sys
     import threading
+    import time
 
-    sampler = GlobalOrderSampler(100, 1, seed=0)
     epochs = 60
+    current = [GlobalOrderSampler(100, 1, seed=0)]
     seen, stop = [], threading.Event()
 
     def observe():
         while not stop.is_set():
-            state = sampler.state_dict()
+            state = current[0].state_dict()
             seen.append((state["epoch"], state["consumed_samples"]))
 
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     observer = threading.Thread(target=observe)
     observer.start()
+    # On a loaded two-core machine one pass can end before the observer has run much: pass again, each time on a
+    # fresh sampler, until it has seen enough states to have met an epoch's turn many times.
+    deadline = time.monotonic() + 30.0
     try:
-        for epoch in range(epochs):
-            for position in range(epochs - epoch + 1):
-                sampler.rank_position = position
-            sampler.next_epoch()
+        while len(seen) < 2000 and time.monotonic() < deadline:
+            sampler = GlobalOrderSampler(100, 1, seed=0)
+            current[0] = sampler
+            for epoch in range(epochs):
+                for position in range(epochs - epoch + 1):
+                    sampler.rank_position = position
+                sampler.next_epoch()
     finally:
         stop.set()
         observer.join()
