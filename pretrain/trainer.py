@@ -28,7 +28,7 @@ from pretrain.anomalies import DEBUG_SPIKE_FACTOR, MAX_ROLLBACKS, StepGuard
 from pretrain.ranks import RESUMABLE_EXIT, heartbeat, launch_t0, preemption, startup_threads
 from pretrain.hostcpu import HostMeter, bind_rank, set_omp_threads
 from pretrain.metrics import MetricsLog, PhaseClock, host_peak_rss_gib, peak_tflops_for, summarize, write_summary
-from pretrain.zero2 import fuse_grad_norm
+from pretrain.grad_norm import fuse_grad_norm
 
 
 @dataclasses.dataclass

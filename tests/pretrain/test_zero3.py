@@ -1,10 +1,12 @@
-"""The model under ZeRO 3: two invariants, each one real 2-rank gloo DeepSpeed run of t5-tiny on CPU.
+"""The model under ZeRO 3: its invariants, each checked in a real 2-rank gloo DeepSpeed run of t5-tiny on CPU.
 
     .venv/bin/python -m pytest tests/pretrain/test_zero3.py -q      # ~15 s per test on 2 CPU cores
 
 - Each Block is gathered as one unit (a ZeRO-3 leaf module): DeepSpeed hooks exactly the modules outside the
   blocks (the blocks included), and its recorded module trace holds in every step, also when tight limits make it
   release weights between forward and backward.
+- pretrain.grad_norm's fused gradient norm over the two ranks' partitions equals DeepSpeed's own (fp64) at every
+  step, to 1e-12.
 - `compile_regions` under ZeRO 3 keeps 3 graphs (encoder block, decoder block, loss chunk) with no graph break,
   and torch's own F.linear in them: configs/deepspeed/zero3.yaml's `memory_efficient_linear: false` keeps
   DeepSpeed's `zero3_linear_wrap` out.
@@ -23,6 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 # mt5-large's limits relative to its size (1.2B parameters against stage3_max_live_parameters and
@@ -54,6 +57,7 @@ def rank_main(report: Path, compile_regions: bool) -> None:
     if compile_regions:
         model.compile_regions()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds_config)
+    norms = compare_grad_norms(engine.optimizer)
     coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
     generator = torch.Generator().manual_seed(1000 + env.rank)
     low, vocab = max(model.config.pad_token_id, model.config.eos_token_id) + 1, model.config.vocab_size
@@ -70,7 +74,7 @@ def rank_main(report: Path, compile_regions: bool) -> None:
         linear = torch.nn.functional.linear
         result = {"hooked_modules": sum(1 for module in model.modules() if hasattr(module, "ds_id")),
                   "losses": losses, "trace_complete": trace_complete,
-                  "linear": f"{linear.__module__}.{linear.__name__}",
+                  "linear": f"{linear.__module__}.{linear.__name__}", "grad_norms": norms,
                   "dynamo_counters": {name: dict(counter) for name, counter in counters.items() if counter}}
         staging = report.with_suffix(".tmp")
         staging.write_text(json.dumps(result))
@@ -79,6 +83,26 @@ def rank_main(report: Path, compile_regions: bool) -> None:
     gc.collect()        # ZeRO-3 parameters alive when the process group is gone abort the process at exit
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def compare_grad_norms(optimizer) -> list:
+    """Install pretrain.grad_norm's fused norm, and have each call of it also take DeepSpeed's own on the same
+    partitions (every rank, the same collectives in the same order); the (fused, DeepSpeed's) pairs, appended."""
+    from pretrain.grad_norm import fuse_grad_norm
+
+    deepspeeds = type(optimizer).get_grad_norm_direct.__get__(optimizer)
+    if not fuse_grad_norm(optimizer):
+        return ["not installed"]
+    fused, pairs = optimizer.get_grad_norm_direct, []
+
+    def both(gradients, params, norm_type=2):
+        expected = deepspeeds(gradients, params, norm_type)
+        got = fused(gradients, params, norm_type)
+        pairs.append((float(got), float(expected)))
+        return got
+
+    optimizer.get_grad_norm_direct = both
+    return pairs
 
 
 def run_ranks(tmp_path: Path, compile_regions: bool = False, nproc: int = 2, timeout: float = 180) -> dict:
@@ -119,6 +143,10 @@ def test_zero3_hooks_each_block_as_one_unit_and_keeps_its_trace(tmp_path):
     # step 1 follows deepspeed.initialize's invalidation, step 2 records the trace, step 3 replays it unbroken
     assert result["trace_complete"][1:] == [True, True]
     assert all(loss == loss and 0 < loss < 20 for loss in result["losses"])
+    # the fused gradient norm over 2 ranks' partitions, against DeepSpeed's own at every step
+    norms = result["grad_norms"]
+    assert len(norms) >= 3 and all(fused > 0 for fused, _ in norms), norms
+    assert all(fused == pytest.approx(expected, rel=1e-12) for fused, expected in norms), norms
 
 
 def test_compiled_blocks_stay_one_graph_each_under_zero3(tmp_path):
