@@ -22,6 +22,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Ray maps a loopback --address (127.0.0.1:port) to this host's outward IP unless told that the "cluster" is
 # loopback-only (the same switch Ray uses on laptops); our multi-node test clusters live on 127.0.0.1 only.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Without a GPU, Triton kernels (pretrain/model/relative_attention.py) run in Triton's interpreter. Triton reads the
+# variable when it defines a kernel, its own library's included, so it is set before anything imports triton.
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SAMPLE_CORPUS_BYTES = 400_000
 TINY_VOCAB_SIZE = 1024

@@ -9,9 +9,10 @@ scaling of attention scores (T5 folds 1/sqrt(d_kv) into the init), an untied LM 
 and no dropout by default. On a GPU the self-attentions run FlexAttention, which adds the trainable position bias
 inside its kernel (`flex_self_attention`); on the CPU (no FlexAttention backward there), with dropout, or with
 `attention="sdpa"` they run `scaled_dot_product_attention` with the position bias as the additive mask (scale=1.0):
-`attention="auto"`, the default, picks by the input's device (`T5Config.self_attention_kind`). The loss never
-materialises the full fp32 logits: it walks the target tokens in chunks and computes logits, cross-entropy and their
-gradients chunk by chunk.
+`attention="auto"`, the default, picks by the input's device (`T5Config.self_attention_kind`); `attention="triton"`
+runs our Triton kernels instead (`pretrain/model/relative_attention.py`: the bias read per key - query offset, its
+gradient reduced in the kernel, deterministic). The loss never materialises the full fp32 logits: it walks the
+target tokens in chunks and computes logits, cross-entropy and their gradients chunk by chunk.
 
 Weights are stored fused where that saves kernel launches (q|k|v, k|v of cross-attention, wi_0|wi_1);
 `pretrain/model/hf.py` maps them to and from HF's names. This module imports neither `transformers` nor
@@ -23,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -37,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from pipeline.common import CONFIGS_DIR, UserError
 
 MODELS_DIR = CONFIGS_DIR / "models"
-ATTENTION_KINDS = ("auto", "sdpa", "flex")   # T5Config.attention: how the self-attentions add the position bias
+ATTENTION_KINDS = ("auto", "sdpa", "flex", "triton")   # T5Config.attention: how the self-attentions add the bias
 
 
 @dataclass
@@ -62,8 +64,8 @@ class T5Config:
     activation_checkpointing: bool = False
     name: str = ""
     loss_chunk_tokens: int = 4096  # target tokens per chunk of the LM-head loss (bounds logits memory)
-    attention: str = "auto"        # self-attention kernel: "sdpa" (bias as additive mask), "flex" (see Stack) or
-    # "auto": flex on CUDA without dropout, sdpa otherwise (self_attention_kind)
+    attention: str = "auto"        # self-attention kernel: "sdpa" (bias as additive mask), "flex" (FlexAttention),
+    # "triton" (pretrain/model/relative_attention.py) or "auto": see self_attention_kind
 
     def __post_init__(self):
         positive = ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
@@ -84,12 +86,13 @@ class T5Config:
         if self.attention not in ATTENTION_KINDS:
             raise UserError(f"model config {self.name or '?'}: attention must be one of {ATTENTION_KINDS}, "
                             f"got {self.attention!r}")
-        if self.attention == "flex" and self.dropout_rate > 0:
-            raise UserError(f"model config {self.name or '?'}: attention='flex' has no dropout of attention "
-                            f"probabilities; use attention='sdpa' with dropout_rate={self.dropout_rate}")
+        if self.attention in ("flex", "triton") and self.dropout_rate > 0:
+            raise UserError(f"model config {self.name or '?'}: attention={self.attention!r} has no dropout of "
+                            f"attention probabilities; use attention='sdpa' with dropout_rate={self.dropout_rate}")
 
     def self_attention_kind(self, device_type: str) -> str:
-        """"flex" or "sdpa" for inputs on `device_type`. auto: flex on CUDA (1.12x the SDPA step for mt5-large on an
+        """The kernel of the self-attentions for inputs on `device_type`: an explicit choice as it is ("triton": our
+        kernels, opt-in, docs/model.md), else (auto) flex on CUDA (1.12x the SDPA step for mt5-large on an
         H200, its loss inside HF's compiled-vs-eager spread over 400 steps, docs/model.md), unless attention
         probabilities drop out (FlexAttention has no dropout); sdpa elsewhere (PyTorch has no FlexAttention backward
         on the CPU)."""
@@ -171,7 +174,9 @@ def relative_position_bucket(relative_position: torch.Tensor, bidirectional: boo
 
 
 class RelativePositionBias(nn.Module):
-    """One learned scalar per (bucket, head); computed once per stack and added to every layer's scores."""
+    """One learned scalar per (bucket, head); computed once per stack and added to every layer's scores. Called
+    with `by_offset=True` it returns the bias of each key - query offset instead, [heads, 2 * length - 1] fp32, the
+    form the Triton kernels read (it goes through the module call, so that ZeRO 3 gathers the weight)."""
 
     def __init__(self, config: T5Config, bidirectional: bool):
         super().__init__()
@@ -180,9 +185,14 @@ class RelativePositionBias(nn.Module):
         self.num_buckets = config.relative_attention_num_buckets
         self.max_distance = config.relative_attention_max_distance
 
-    def forward(self, query_length: int, key_length: int) -> torch.Tensor:
-        """Bias of shape [1, heads, query_length, key_length] in the weight's dtype."""
+    def forward(self, query_length: int, key_length: int, by_offset: bool = False) -> torch.Tensor:
+        """Bias of shape [1, heads, query_length, key_length] in the weight's dtype; by_offset: [heads,
+        query_length + key_length - 1] fp32, index (key - query) + query_length - 1."""
         device = self.weight.device
+        if by_offset:
+            offsets = torch.arange(1 - query_length, key_length, device=device)
+            buckets = relative_position_bucket(offsets, self.bidirectional, self.num_buckets, self.max_distance)
+            return F.embedding(buckets, self.weight).t().float().contiguous()
         offsets = (torch.arange(key_length, device=device)[None, :]
                    - torch.arange(query_length, device=device)[:, None])
         buckets = relative_position_bucket(offsets, self.bidirectional, self.num_buckets, self.max_distance)
@@ -260,9 +270,20 @@ def flex_self_attention(q, k, v, bias: FlexBias) -> torch.Tensor:
     return out[:, :, :length] if extra else out
 
 
+class OffsetBias(NamedTuple):
+    """What a self-attention adds to its scores under `attention="triton"`: the position bias per key - query offset
+    and the padding bias per key, read inside the kernels of `pretrain/model/relative_attention.py`."""
+
+    position: torch.Tensor            # [heads, 2L - 1] fp32 (RelativePositionBias(by_offset=True); requires grad)
+    padding: torch.Tensor | None      # [batch, L] fp32 additive key bias (0 or large negative); None: none
+    causal: bool                      # the decoder's: a query sees itself and the keys before it
+    attend: object                    # relative_attention, imported on first use (it imports Triton)
+
+
 class Attention(nn.Module):
     """Multi-head attention without score scaling; q|k|v fused for self-attention, k|v for cross-attention.
-    `bias` is the additive mask of SDPA (a tensor or None), or a `FlexBias`: then FlexAttention runs instead."""
+    `bias` is the additive mask of SDPA (a tensor or None), a `FlexBias` (FlexAttention runs instead) or an
+    `OffsetBias` (the Triton kernels run on the fused q|k|v as it comes out of its matmul)."""
 
     def __init__(self, config: T5Config, cross: bool):
         super().__init__()
@@ -280,7 +301,10 @@ class Attention(nn.Module):
         batch, length, _ = x.shape   # [B, L, parts*H*D] -> [parts, B, H, L, D]
         return x.view(batch, length, parts, self.num_heads, self.d_kv).permute(2, 0, 3, 1, 4)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | FlexBias | None, memory: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | FlexBias | OffsetBias | None,
+                memory: torch.Tensor | None = None):
+        if isinstance(bias, OffsetBias):   # T5Config rejects dropout with triton
+            return self.o(bias.attend(self.qkv(x), bias.position, self.num_heads, bias.causal, bias.padding))
         if self.cross:
             q = self._heads(self.q(x), 1)[0]
             k, v = self._heads(self.kv(memory), 2).unbind(0)
@@ -376,9 +400,27 @@ class Stack(nn.Module):
                       if mask_mod is not None else None)
         return FlexBias(position, padding, block_mask, length)
 
+    def offset_self_attention_bias(self, length: int, padding_bias: torch.Tensor | None) -> OffsetBias:
+        """This stack's self-attention bias for the Triton kernels (see `OffsetBias`)."""
+        if self.relative_attention_bias.weight.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise UserError("attention='triton' runs on CUDA devices (on the CPU only in Triton's interpreter, "
+                            "TRITON_INTERPRET=1, for tests); use attention='auto' or 'sdpa' here")
+        try:
+            from pretrain.model.relative_attention import relative_attention   # imports Triton: only when used
+        except ImportError as error:
+            raise UserError(f"attention='triton' needs the triton package (PyTorch's CUDA builds bring it): {error}")
+        padding = None
+        if padding_bias is not None:     # clamped: scaled by log2(e) inside the kernel, finfo.min would be -inf
+            padding = padding_bias[:, 0, 0, :].float().clamp(min=-1e30)
+        return OffsetBias(self.relative_attention_bias(length, length, by_offset=True), padding, self.is_decoder,
+                          relative_attention)
+
     def forward(self, x, padding_bias=None, memory=None, memory_bias=None):
-        if self.config.self_attention_kind(x.device.type) == "flex":
+        kind = self.config.self_attention_kind(x.device.type)
+        if kind == "flex":
             bias = self.flex_self_attention_bias(x.shape[1], padding_bias)
+        elif kind == "triton":
+            bias = self.offset_self_attention_bias(x.shape[1], padding_bias)
         else:
             bias = self.self_attention_bias(x.shape[1], x.dtype)
             if padding_bias is not None:

@@ -1,0 +1,353 @@
+"""T5's self-attention with its trainable relative position bias, fused in Triton kernels (`attention: triton`).
+
+    out = relative_attention(qkv, bias_by_offset, num_heads, causal=False)   # qkv [B, L, 3*H*D] -> out [B, L, H*D]
+
+Scores are s[b, h, i, j] = q_i . k_j + bias_by_offset[h, j - i + L - 1] (+ key_bias[b, j]), unscaled as in T5; the
+decoder's are causal (j <= i). The position bias of T5 depends on the offset j - i only, through its buckets, so the
+kernels read it from a [H, 2L - 1] vector per head (`Stack.offset_bias`: the bucket table looked up per offset) and
+never hold an [H, L, L] bias; FlexAttention reads a dense [H, L, L] fp32 bias for every batch row and, in backward,
+adds each score's gradient into it atomically (docs/model.md). Here the backward sums the gradient of each score
+tile along its diagonals (one offset each) inside the kernel and stores those 2 x BLOCK sums per tile, each where
+no other tile of its program writes; the sum over key blocks and batch rows is one plain reduction afterwards. No
+atomics: the gradients are the same bit for bit from run to run.
+
+The kernels take the fused q|k|v projection as it comes out of its matmul ([B, L, 3, H, D] in memory) and write
+the output as [B, L, H, D] and the gradient of q|k|v as one [B, L, 3, H, D] tensor: no permute or copy around them.
+Three kernels, FlashAttention-2's scheme: forward (online softmax, the log-sum-exp kept for backward); backward in
+two passes that recompute the probabilities, one per key block (dk, dv and the bias gradient), one per query block
+(dq). Both directions are `torch.library` custom ops, so `torch.compile` keeps them whole inside the compiled
+blocks.
+
+Triton is imported with this module (the model imports it only for `attention: triton`). On a machine without a
+GPU the kernels run in Triton's interpreter when TRITON_INTERPRET=1 is set before this module is imported (the
+tests do; slow, for correctness only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)   # a constexpr: kernels read no other globals
+
+# Block shapes and launch settings of the three kernels (measured on one H200: docs/model.md). BLOCK of the key-block
+# pass is square: its bias-gradient diagonals need it. SETTINGS_VARIABLE, a JSON object such as {"FORWARD":
+# {"BLOCK_N": 128}} (what `scripts/bench_attention_gpu.py --sweep` prints for another GPU), overrides them.
+FORWARD = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+BACKWARD_KV = {"BLOCK": 64, "num_warps": 4, "num_stages": 3}
+BACKWARD_Q = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+SETTINGS_VARIABLE = "T5ZERO_ATTENTION_SETTINGS"
+
+
+def _apply_settings(raw: str) -> None:
+    """Update FORWARD / BACKWARD_KV / BACKWARD_Q from a JSON object of the same names (one clear error if bad)."""
+    from pipeline.common import UserError
+    kernels = {"FORWARD": FORWARD, "BACKWARD_KV": BACKWARD_KV, "BACKWARD_Q": BACKWARD_Q}
+    try:
+        settings = json.loads(raw)
+        if not isinstance(settings, dict) or any(name not in kernels or not isinstance(values, dict)
+                                                 or set(values) - set(kernels[name]) for name, values in
+                                                 settings.items()):
+            raise ValueError(f"expected {{kernel: {{setting: int}}}} with kernels {sorted(kernels)}")
+    except ValueError as error:
+        raise UserError(f"{SETTINGS_VARIABLE}={raw!r}: {error}; unset it or fix it "
+                        f"(e.g. '{{\"FORWARD\": {{\"BLOCK_N\": 128}}}}')") from None
+    for name, values in settings.items():
+        kernels[name].update({key: int(value) for key, value in values.items()})
+
+
+if os.environ.get(SETTINGS_VARIABLE):
+    _apply_settings(os.environ[SETTINGS_VARIABLE])
+
+
+@triton.jit
+def _forward_kernel(QKV, BIAS, KEY_BIAS, OUT, LSE,
+                    stride_b, stride_l, stride_ob, stride_ol, stride_bias_h, stride_kb, stride_lse_bh,
+                    num_heads, length,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    CAUSAL: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr):
+    """One program: BLOCK_M queries of one (batch row, head), every key block, online softmax."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // num_heads).to(tl.int64)
+    h = bh % num_heads
+    inner = num_heads * HEAD_DIM
+    base = QKV + b * stride_b + h * HEAD_DIM
+    queries = start_m + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(base + queries[:, None] * stride_l + dims[None, :], mask=queries[:, None] < length, other=0.0)
+    bias_row = BIAS + h * stride_bias_h + length - 1
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    end_n = start_m + BLOCK_M if CAUSAL else length   # causal: the keys up to the last query; masked past length
+    for start_n in range(0, end_n, BLOCK_N):
+        keys = start_n + tl.arange(0, BLOCK_N)
+        valid = keys[None, :] < length
+        if CAUSAL:
+            valid = valid & (keys[None, :] <= queries[:, None])
+        k = tl.load(base + inner + keys[:, None] * stride_l + dims[None, :], mask=keys[:, None] < length, other=0.0)
+        v = tl.load(base + 2 * inner + keys[:, None] * stride_l + dims[None, :], mask=keys[:, None] < length,
+                    other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        s += tl.load(bias_row + keys[None, :] - queries[:, None], mask=valid & (queries[:, None] < length),
+                     other=0.0)
+        if HAS_KEY_BIAS:
+            s += tl.load(KEY_BIAS + b * stride_kb + keys, mask=keys < length, other=0.0)[None, :]
+        s = tl.where(valid, s * LOG2E, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    stored = queries < length
+    tl.store(OUT + b * stride_ob + h * HEAD_DIM + queries[:, None] * stride_ol + dims[None, :],
+             out.to(OUT.dtype.element_ty), mask=stored[:, None])
+    tl.store(LSE + bh * stride_lse_bh + queries, m_i + tl.log2(l_i), mask=stored)
+
+
+@triton.jit
+def _backward_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS,
+                        stride_b, stride_l, stride_db, stride_dl, stride_ob, stride_ol, stride_bias_h, stride_kb,
+                        stride_lse_bh, num_heads, length, num_blocks,
+                        HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
+                        HAS_KEY_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr):
+    """One program: BLOCK keys of one (batch row, head), every query block: dk, dv, and per score tile the sums of
+    its gradient along each diagonal (one key - query offset each). DIAGONALS [B, key blocks, 2, H, 2P] (P: the
+    length padded to BLOCK) holds them at index offset + P - 1: a tile's diagonals at offsets up to 0 from its corner
+    in part 0, the others in part 1, so that the tiles of one program never write the same element (BIAS_GRAD off:
+    none written)."""
+    block_n = tl.program_id(0)
+    start_n = block_n * BLOCK
+    bh = tl.program_id(1)
+    b = (bh // num_heads).to(tl.int64)
+    h = bh % num_heads
+    inner = num_heads * HEAD_DIM
+    base = QKV + b * stride_b + h * HEAD_DIM
+    dout_base = DOUT + b * stride_ob + h * HEAD_DIM
+    keys = start_n + tl.arange(0, BLOCK)
+    dims = tl.arange(0, HEAD_DIM)
+    key_rows = keys[:, None] < length
+    k = tl.load(base + inner + keys[:, None] * stride_l + dims[None, :], mask=key_rows, other=0.0)
+    v = tl.load(base + 2 * inner + keys[:, None] * stride_l + dims[None, :], mask=key_rows, other=0.0)
+    if HAS_KEY_BIAS:
+        key_bias = tl.load(KEY_BIAS + b * stride_kb + keys, mask=keys < length, other=0.0)
+    bias_row = BIAS + h * stride_bias_h + length - 1
+    dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    rows = tl.arange(0, BLOCK)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    skew = (rows + cols) % BLOCK                 # skewed[r, c] = tile[r, (r + c) % BLOCK]
+    wrapped = rows + cols >= BLOCK
+    slots = tl.arange(0, BLOCK)
+    row_width = 2 * num_blocks * BLOCK
+    below_row = DIAGONALS + ((b * num_blocks + block_n) * 2 * num_heads + h) * row_width
+    above_row = below_row + num_heads * row_width
+    first_m = start_n if CAUSAL else 0             # causal: the tiles above the diagonal are all masked
+    for start_m in range(first_m, length, BLOCK):
+        queries = start_m + tl.arange(0, BLOCK)
+        query_cols = queries[:, None] < length
+        q = tl.load(base + queries[:, None] * stride_l + dims[None, :], mask=query_cols, other=0.0)
+        do = tl.load(dout_base + queries[:, None] * stride_ol + dims[None, :], mask=query_cols, other=0.0)
+        lse = tl.load(LSE + bh * stride_lse_bh + queries, mask=queries < length, other=0.0)
+        delta = tl.load(DELTA + bh * stride_lse_bh + queries, mask=queries < length, other=0.0)
+        valid = key_rows & (queries[None, :] < length)
+        if CAUSAL:
+            valid = valid & (queries[None, :] >= keys[:, None])
+        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)            # [keys, queries]
+        s_t += tl.load(bias_row + keys[:, None] - queries[None, :], mask=valid, other=0.0)
+        if HAS_KEY_BIAS:
+            s_t += key_bias[:, None]
+        p_t = tl.where(valid, tl.exp2(s_t * LOG2E - lse[None, :]), 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+        if BIAS_GRAD:
+            # the diagonals of ds_t: skewed[r, c] = ds_t[r, (r + c) % BLOCK] has key - query offset -c where r + c <
+            # BLOCK, BLOCK - c where it wrapped; column sums of each part are the diagonal sums
+            skewed = tl.gather(ds_t, skew, axis=1)
+            below = tl.sum(tl.where(wrapped, 0.0, skewed), 0)              # offset corner - c
+            above = tl.sum(tl.where(wrapped, skewed, 0.0), 0)              # offset corner + BLOCK - c (c > 0)
+            corner = start_n - start_m + num_blocks * BLOCK - 1            # index of the tile's corner offset
+            tl.store(below_row + corner - slots, below)
+            tl.store(above_row + corner + BLOCK - slots, above, mask=slots > 0)
+    grad_base = DQKV + b * stride_db + h * HEAD_DIM
+    tl.store(grad_base + inner + keys[:, None] * stride_dl + dims[None, :], dk.to(DQKV.dtype.element_ty),
+             mask=key_rows)
+    tl.store(grad_base + 2 * inner + keys[:, None] * stride_dl + dims[None, :], dv.to(DQKV.dtype.element_ty),
+             mask=key_rows)
+
+
+@triton.jit
+def _backward_q_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV,
+                       stride_b, stride_l, stride_db, stride_dl, stride_ob, stride_ol, stride_bias_h, stride_kb,
+                       stride_lse_bh, num_heads, length,
+                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       CAUSAL: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr):
+    """One program: BLOCK_M queries of one (batch row, head), every key block: dq."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // num_heads).to(tl.int64)
+    h = bh % num_heads
+    inner = num_heads * HEAD_DIM
+    base = QKV + b * stride_b + h * HEAD_DIM
+    queries = start_m + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    query_rows = queries[:, None] < length
+    q = tl.load(base + queries[:, None] * stride_l + dims[None, :], mask=query_rows, other=0.0)
+    do = tl.load(DOUT + b * stride_ob + h * HEAD_DIM + queries[:, None] * stride_ol + dims[None, :],
+                 mask=query_rows, other=0.0)
+    lse = tl.load(LSE + bh * stride_lse_bh + queries, mask=queries < length, other=0.0)
+    delta = tl.load(DELTA + bh * stride_lse_bh + queries, mask=queries < length, other=0.0)
+    bias_row = BIAS + h * stride_bias_h + length - 1
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    end_n = start_m + BLOCK_M if CAUSAL else length   # causal: the keys up to the last query; masked past length
+    for start_n in range(0, end_n, BLOCK_N):
+        keys = start_n + tl.arange(0, BLOCK_N)
+        valid = query_rows & (keys[None, :] < length)
+        if CAUSAL:
+            valid = valid & (keys[None, :] <= queries[:, None])
+        k = tl.load(base + inner + keys[:, None] * stride_l + dims[None, :], mask=keys[:, None] < length, other=0.0)
+        v = tl.load(base + 2 * inner + keys[:, None] * stride_l + dims[None, :], mask=keys[:, None] < length,
+                    other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        s += tl.load(bias_row + keys[None, :] - queries[:, None], mask=valid, other=0.0)
+        if HAS_KEY_BIAS:
+            s += tl.load(KEY_BIAS + b * stride_kb + keys, mask=keys < length, other=0.0)[None, :]
+        p = tl.where(valid, tl.exp2(s * LOG2E - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    tl.store(DQKV + b * stride_db + h * HEAD_DIM + queries[:, None] * stride_dl + dims[None, :],
+             dq.to(DQKV.dtype.element_ty), mask=query_rows)
+
+
+@triton.jit
+def _delta_kernel(OUT, DOUT, DELTA, stride_ob, stride_ol, stride_lse_bh, num_heads, length,
+                  HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """delta[b, h, i] = sum_d out[b, i, h, d] * dout[b, i, h, d] in fp32 (the softmax backward's row term)."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    bh = tl.program_id(1)
+    b = (bh // num_heads).to(tl.int64)
+    h = bh % num_heads
+    offsets = b * stride_ob + h * HEAD_DIM + rows[:, None] * stride_ol + tl.arange(0, HEAD_DIM)[None, :]
+    inside = rows[:, None] < length
+    out = tl.load(OUT + offsets, mask=inside, other=0.0).to(tl.float32)
+    dout = tl.load(DOUT + offsets, mask=inside, other=0.0).to(tl.float32)
+    tl.store(DELTA + bh * stride_lse_bh + rows, tl.sum(out * dout, 1), mask=rows < length)
+
+
+# ------------------------------------------------------------------------------------------- the ops
+
+def _precision(dtype: torch.dtype) -> str:
+    """fp32 inputs multiply in full fp32 (the tests compare against fp32 references); bf16/fp16 as they are."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _key_bias_args(key_bias: torch.Tensor | None, like: torch.Tensor):
+    """(tensor, batch stride, present) of the optional additive key bias [B, L] fp32."""
+    if key_bias is None:
+        return like, 0, False
+    return key_bias, key_bias.stride(0), True
+
+
+@torch.library.custom_op("t5zero::relative_attention_forward", mutates_args=())
+def _forward(qkv: torch.Tensor, bias_by_offset: torch.Tensor, key_bias: torch.Tensor | None, num_heads: int,
+             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, length, width = qkv.shape
+    head_dim = width // (3 * num_heads)
+    out = qkv.new_empty(batch, length, num_heads * head_dim)
+    lse = torch.empty(batch, num_heads, length, dtype=torch.float32, device=qkv.device)
+    key_bias_arg, stride_kb, has_key_bias = _key_bias_args(key_bias, bias_by_offset)
+    config = dict(FORWARD)
+    grid = (triton.cdiv(length, config["BLOCK_M"]), batch * num_heads)
+    _forward_kernel[grid](qkv, bias_by_offset, key_bias_arg, out, lse,
+                          qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1), bias_by_offset.stride(0),
+                          stride_kb, lse.stride(1), num_heads, length,
+                          HEAD_DIM=head_dim, CAUSAL=causal, HAS_KEY_BIAS=has_key_bias,
+                          PRECISION=_precision(qkv.dtype), **config)
+    return out, lse
+
+
+@_forward.register_fake
+def _(qkv, bias_by_offset, key_bias, num_heads, causal):
+    batch, length, width = qkv.shape
+    return (qkv.new_empty(batch, length, width // 3),
+            qkv.new_empty(batch, num_heads, length, dtype=torch.float32))
+
+
+@torch.library.custom_op("t5zero::relative_attention_backward", mutates_args=())
+def _backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+              bias_by_offset: torch.Tensor, key_bias: torch.Tensor | None, num_heads: int, causal: bool,
+              bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, length, width = qkv.shape
+    head_dim = width // (3 * num_heads)
+    dout = dout.contiguous()                      # the same [B, L, H * D] layout as out
+    delta = torch.empty_like(lse)                 # [B, H, L] fp32: rowsum(dO * O)
+    _delta_kernel[(triton.cdiv(length, 64), batch * num_heads)](
+        out, dout, delta, out.stride(0), out.stride(1), lse.stride(1), num_heads, length, HEAD_DIM=head_dim, BLOCK=64)
+    dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
+    key_bias_arg, stride_kb, has_key_bias = _key_bias_args(key_bias, bias_by_offset)
+    kv_config, q_config = dict(BACKWARD_KV), dict(BACKWARD_Q)
+    block = kv_config["BLOCK"]
+    num_blocks = triton.cdiv(length, block)
+    padded = num_blocks * block
+    # what no program writes (the rest of each row; causal: the tiles above the diagonal) must be zero
+    diagonals = torch.zeros((batch, num_blocks, 2, num_heads, 2 * padded) if bias_grad else (1,),
+                            dtype=torch.float32, device=qkv.device)
+    common = dict(HEAD_DIM=head_dim, CAUSAL=causal, HAS_KEY_BIAS=has_key_bias, PRECISION=_precision(qkv.dtype))
+    kv_config["BIAS_GRAD"] = bias_grad
+    strides = (qkv.stride(0), qkv.stride(1), dqkv.stride(0), dqkv.stride(1), dout.stride(0), dout.stride(1),
+               bias_by_offset.stride(0), stride_kb, lse.stride(1))
+    _backward_kv_kernel[(num_blocks, batch * num_heads)](
+        qkv, bias_by_offset, key_bias_arg, dout, lse, delta, dqkv, diagonals, *strides, num_heads, length,
+        num_blocks, **common, **kv_config)
+    _backward_q_kernel[(triton.cdiv(length, q_config["BLOCK_M"]), batch * num_heads)](
+        qkv, bias_by_offset, key_bias_arg, dout, lse, delta, dqkv, *strides, num_heads, length,
+        **common, **q_config)
+    if not bias_grad:
+        return dqkv, torch.zeros_like(bias_by_offset)
+    # one fixed-order sum over batch rows, key blocks and the two parts: deterministic; offsets -(L-1)..L-1
+    dbias = diagonals.view(-1, num_heads, 2 * padded).sum(0)[:, padded - length: padded + length - 1]
+    return dqkv, dbias.contiguous()
+
+
+@_backward.register_fake
+def _(dout, qkv, out, lse, bias_by_offset, key_bias, num_heads, causal, bias_grad):
+    return torch.empty_like(qkv, memory_format=torch.contiguous_format), torch.empty_like(bias_by_offset)
+
+
+def _setup_context(ctx, inputs, output):
+    qkv, bias_by_offset, key_bias, num_heads, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(qkv, out, lse, bias_by_offset, key_bias)
+    ctx.num_heads, ctx.causal = num_heads, causal
+
+
+def _autograd_backward(ctx, dout, dlse):
+    qkv, out, lse, bias_by_offset, key_bias = ctx.saved_tensors
+    dqkv, dbias = _backward(dout, qkv, out, lse, bias_by_offset, key_bias, ctx.num_heads, ctx.causal,
+                            ctx.needs_input_grad[1])
+    return dqkv, dbias if ctx.needs_input_grad[1] else None, None, None, None
+
+
+torch.library.register_autograd("t5zero::relative_attention_forward", _autograd_backward,
+                                setup_context=_setup_context)
+
+
+def relative_attention(qkv: torch.Tensor, bias_by_offset: torch.Tensor, num_heads: int, causal: bool = False,
+                       key_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T + bias, causal-masked) v for the fused projection qkv [B, L, 3 * H * D] (q|k|v, heads inside
+    each); bias_by_offset [H, 2L - 1] fp32 (index j - i + L - 1), key_bias [B, L] fp32 added to every query's
+    scores (a padding mask), or None. Returns [B, L, H * D] in qkv's dtype."""
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    return _forward(qkv, bias_by_offset.float().contiguous(),
+                    None if key_bias is None else key_bias.float().contiguous(), num_heads, causal)[0]

@@ -1,0 +1,179 @@
+"""`attention="triton"`: the self-attentions run our Triton kernels (pretrain/model/relative_attention.py), the
+position bias read per key - query offset and its gradient summed along the diagonals of each score tile.
+
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, which tests/conftest.py sets):
+the same kernel code, each program executed in numpy, so what is checked is their indexing, masking, online softmax,
+the diagonal sums and their fold, against float64 references. Where CUDA exists, the compiled kernels are checked
+against SDPA in fp32 and bf16 at the pretraining lengths (512 / 114).
+
+    pytest tests/pretrain/test_relative_attention.py     # ~30 s on 2 CPU cores
+"""
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU, and Triton's interpreter was not switched on before triton was imported (tests/conftest.py "
+                "does it)", allow_module_level=True)
+
+import pretrain.model.t5 as model_module  # noqa: E402
+from pipeline.common import UserError  # noqa: E402
+from pretrain.model.relative_attention import relative_attention  # noqa: E402
+from pretrain.model.t5 import build, load_config  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def reference(qkv, bias_by_offset, num_heads, causal, key_bias=None):
+    """The same attention written out densely (any dtype; the tests run it in float64)."""
+    batch, length, width = qkv.shape
+    q, k, v = qkv.view(batch, length, 3, num_heads, width // (3 * num_heads)).permute(2, 0, 3, 1, 4).unbind(0)
+    i = torch.arange(length, device=qkv.device)[:, None]
+    j = torch.arange(length, device=qkv.device)[None, :]
+    scores = q @ k.transpose(-1, -2) + bias_by_offset[:, j - i + length - 1]
+    if key_bias is not None:
+        scores = scores + key_bias[:, None, None, :]
+    if causal:
+        scores = scores.masked_fill(j > i, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, length, -1)
+
+
+def relative_error(got, want):
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def run_both(batch, length, heads, head_dim, causal, with_key_bias, seed, dtype=torch.float32):
+    """(ours, reference) as (out, d qkv, d bias) for random inputs: the reference in float64 on the same values."""
+    generator = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(batch, length, 3 * heads * head_dim, generator=generator, dtype=torch.float64)
+    bias = torch.randn(heads, 2 * length - 1, generator=generator, dtype=torch.float64)
+    key_bias = torch.randn(batch, length, generator=generator, dtype=torch.float64) * 3 if with_key_bias else None
+    grad_out = torch.randn(batch, length, heads * head_dim, generator=generator, dtype=torch.float64)
+    ours_qkv = qkv.to(DEVICE, dtype).requires_grad_()
+    ours_bias = bias.to(DEVICE, torch.float32).requires_grad_()
+    out = relative_attention(ours_qkv, ours_bias, heads, causal,
+                             None if key_bias is None else key_bias.to(DEVICE, torch.float32))
+    out.backward(grad_out.to(DEVICE, dtype))
+    want_qkv, want_bias = qkv.to(DEVICE).requires_grad_(), bias.to(DEVICE).requires_grad_()
+    want = reference(want_qkv, want_bias, heads, causal, None if key_bias is None else key_bias.to(DEVICE))
+    want.backward(grad_out.to(DEVICE))
+    results = [(out.detach(), ours_qkv.grad, ours_bias.grad), (want.detach(), want_qkv.grad, want_bias.grad)]
+    return results
+
+
+@pytest.mark.parametrize("batch, length, heads, head_dim, causal, with_key_bias", [
+    (2, 20, 3, 16, False, False),     # one block, mostly masked
+    (2, 9, 2, 16, True, False),       # the decoder: causal
+    (1, 130, 2, 16, False, True),     # three key blocks, a partial one; a padding bias
+    (2, 70, 2, 32, True, True),       # causal across blocks
+])
+def test_forward_and_every_gradient_equal_a_float64_reference(batch, length, heads, head_dim, causal, with_key_bias):
+    (out, dqkv, dbias), (want_out, want_dqkv, want_dbias) = run_both(batch, length, heads, head_dim, causal,
+                                                                     with_key_bias, seed=length)
+    assert torch.isfinite(out).all() and torch.isfinite(dqkv).all() and torch.isfinite(dbias).all()
+    assert relative_error(out, want_out) < 1e-5
+    assert relative_error(dqkv, want_dqkv) < 1e-5
+    assert relative_error(dbias, want_dbias) < 1e-5
+
+
+def test_the_bias_gradient_is_the_same_bit_for_bit_from_run_to_run():
+    """Plain stores of per-tile diagonal sums and one fixed-order reduction, no atomics: a second backward gives the
+    same bits."""
+    grads = [run_both(2, 130, 2, 16, False, False, seed=7)[0] for _ in range(2)]
+    for first, second in zip(grads[0], grads[1]):
+        assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_custom_ops_fake_kernels_and_autograd_agree_with_the_real_ones(causal):
+    """torch.library.opcheck: shapes, strides and dtypes of the fake (compile-time) outputs are the real ones', and
+    the autograd registration holds; a wrong stride fails here instead of inside Inductor's compiled graph."""
+    generator = torch.Generator().manual_seed(5)
+    qkv = torch.randn(2, 70, 3 * 2 * 16, generator=generator).to(DEVICE).requires_grad_()
+    bias = torch.randn(2, 139, generator=generator).to(DEVICE).requires_grad_()
+    forward = torch.ops.t5zero.relative_attention_forward.default
+    torch.library.opcheck(forward, (qkv, bias, None, 2, causal),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    out, lse = forward(qkv.detach(), bias.detach(), None, 2, causal)
+    torch.library.opcheck(torch.ops.t5zero.relative_attention_backward.default,
+                          (torch.randn_like(out), qkv.detach(), out, lse, bias.detach(), None, 2, causal, True),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def model_outputs(model, inputs, labels, attention_mask):
+    """(loss, logits, {name: grad}) of one loss forward + backward and one logits forward."""
+    loss = model(inputs, labels=labels, attention_mask=attention_mask)
+    loss.backward()
+    with torch.no_grad():
+        logits = model(inputs, decoder_input_ids=model.shift_right(labels), attention_mask=attention_mask)
+    return loss.detach(), logits, {name: p.grad for name, p in model.named_parameters()}
+
+
+def assert_close_relative(got, want, tolerance, name=""):
+    error = (got - want).abs().max().item()
+    scale = want.abs().max().item()
+    assert error <= tolerance * scale, f"{name}: max error {error:.3g} against scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("mode, padded", [("eager", True), ("compile-regions", False), ("checkpointed", True)])
+def test_model_with_triton_attention_equals_sdpa(monkeypatch, mode, padded):
+    """t5-tiny in fp32: loss, logits and every parameter's gradient as the SDPA model's, 1e-5 of each tensor's
+    scale. compile-regions: the blocks compiled (aot_eager on CPU), the kernels' custom ops inside the graphs."""
+    if DEVICE == "cuda":
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randint(3, 1000, (3, 20), generator=generator).to(DEVICE)
+    labels = torch.randint(3, 1000, (3, 9), generator=generator).to(DEVICE)
+    labels[1, -2:] = 0
+    attention_mask = None
+    if padded:
+        attention_mask = torch.ones_like(inputs)
+        attention_mask[0, -6:] = 0
+        attention_mask[2, -1:] = 0
+    checkpointed = mode == "checkpointed"
+    sdpa = build("t5-tiny", seed=1, attention="sdpa", activation_checkpointing=checkpointed).to(DEVICE).train()
+    ours = build("t5-tiny", seed=1, attention="triton", activation_checkpointing=checkpointed).to(DEVICE).train()
+    calls = []
+    real = model_module.Stack.offset_self_attention_bias
+    monkeypatch.setattr(model_module.Stack, "offset_self_attention_bias",
+                        lambda *args: calls.append(1) or real(*args))
+    if mode == "compile-regions":
+        ours.compile_regions(backend="aot_eager" if DEVICE == "cpu" else "inductor")
+    want_loss, want_logits, want_grads = model_outputs(sdpa, inputs, labels, attention_mask)
+    got_loss, got_logits, got_grads = model_outputs(ours, inputs, labels, attention_mask)
+    assert len(calls) == 4                       # encoder and decoder, loss and logits forwards: never SDPA
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=0)
+    assert_close_relative(got_logits, want_logits, 1e-5, "logits")
+    for name, want in want_grads.items():
+        assert got_grads[name] is not None, f"{name}: no gradient"
+        assert_close_relative(got_grads[name], want, 1e-5, name)
+
+
+def test_triton_attention_config_errors_are_one_clear_line():
+    with pytest.raises(UserError, match="no dropout of attention probabilities"):
+        load_config("t5-tiny", attention="triton", dropout_rate=0.1)
+    assert load_config("t5-tiny", attention="triton").self_attention_kind("cpu") == "triton"
+
+
+def test_triton_attention_off_cuda_without_the_interpreter_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = build("t5-tiny", seed=0, attention="triton")
+    if DEVICE == "cuda":
+        pytest.skip("the refusal is for tensors off CUDA")
+    with pytest.raises(UserError, match="runs on CUDA devices"):
+        model(torch.randint(3, 100, (1, 8)), labels=torch.randint(3, 100, (1, 4)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled kernels)")
+@pytest.mark.parametrize("causal, length", [(False, 512), (True, 114)])
+def test_compiled_kernels_in_bf16_at_the_pretraining_lengths(causal, length):
+    """bf16 inputs, the bias in fp32: within bf16's error of the float64 reference (FlashAttention's own error is
+    of this size, METHOD.md: 1e-3 to 1e-2)."""
+    (out, dqkv, dbias), (want_out, want_dqkv, want_dbias) = run_both(4, length, 8, 64, causal, False, seed=3,
+                                                                     dtype=torch.bfloat16)
+    assert relative_error(out, want_out) < 1e-2
+    assert relative_error(dqkv, want_dqkv) < 2e-2
+    assert relative_error(dbias, want_dbias) < 2e-2
