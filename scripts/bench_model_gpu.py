@@ -22,7 +22,8 @@ the equal-batch table.
 
 Variants: hf, hf-compile (transformers, eager / whole-model torch.compile); ours, ours-compile (eager /
 `compile_regions`); ours-compile-flex (`compile_regions` with `attention="flex"`: the self-attentions by
-FlexAttention, the position bias added inside the kernel; CUDA only, PyTorch has no FlexAttention backward on CPU).
+FlexAttention, the position bias added inside the kernel; CUDA only, PyTorch has no FlexAttention backward on CPU);
+ours-compile-triton (`attention="triton"`: our kernels, pretrain/model/relative_attention.py; CUDA only).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from pretrain.model.flops import count_parameters, train_step_flops  # noqa: E40
 from pretrain.model.hf import to_hf  # noqa: E402
 from pretrain.model.t5 import T5Model, build  # noqa: E402
 
-VARIANTS = ("hf", "hf-compile", "ours", "ours-compile", "ours-compile-flex")
+VARIANTS = ("hf", "hf-compile", "ours", "ours-compile", "ours-compile-flex", "ours-compile-triton")
 
 
 def sync(device: str) -> None:
@@ -103,14 +104,15 @@ def sdpa_backends(model, args, attention: str = "sdpa") -> dict:
     cases = {"encoder-self": (*projected(args.input_length, 3), encoder_bias),
              "decoder-self": (*projected(args.target_length, 3), decoder_bias),
              "cross": (projected(args.target_length, 1)[0], *projected(args.input_length, 2), None)}
-    return {name: "flex_attention" if attention == "flex" and name.endswith("-self") else
+    own = {"flex": "flex_attention", "triton": "relative_attention (triton)"}
+    return {name: own[attention] if attention in own and name.endswith("-self") else
             names.get(int(torch._fused_sdp_choice(q, k, v, bias, 0.0, False, scale=1.0)), "?")
             for name, (q, k, v, bias) in cases.items()}
 
 
 def attention_of(variant: str) -> str:
     """T5Config.attention of one of our variants."""
-    return "flex" if variant.endswith("-flex") else "sdpa"
+    return next((kind for kind in ("flex", "triton") if variant.endswith(f"-{kind}")), "sdpa")
 
 
 def make_step(variant: str, model, batch):
@@ -292,8 +294,8 @@ def main() -> int:
                   f"step (batch {args.batch}, lengths {args.input_length}/{args.target_length})", flush=True)
             if args.device == "cuda":
                 print(f"{preset}: SDPA kernels {sdpa_backends(ours_cpu, args)}", flush=True)
-                if any(attention_of(variant) == "flex" for variant in args.variants):
-                    print(f"{preset}: *-flex kernels {sdpa_backends(ours_cpu, args, 'flex')}", flush=True)
+                for kind in sorted({attention_of(variant) for variant in args.variants} - {"sdpa"}):
+                    print(f"{preset}: *-{kind} kernels {sdpa_backends(ours_cpu, args, kind)}", flush=True)
             for variant in args.variants:
                 for size in sizes:            # the same examples at every size: a prefix of the largest batch
                     fits = [r for r in rows if (r["model"], r["variant"]) == (preset, variant) and "error" not in r]

@@ -9,8 +9,8 @@ order (the trainer's GlobalOrderSampler over the shard set, seeded likewise) wit
 linear warmup of 50 steps (the trainer's LRSchedule, constant), gradient-norm clip 1.0; fp32 parameters under bf16
 autocast on CUDA, plain fp32 on CPU (`--precision` overrides). Variants: ours (eager), ours-compile
 (`T5Model.compile_regions`), both with `attention: sdpa`; hf (eager), hf-compile (`torch.compile` of the whole HF
-model, dynamic=False), and when named, ours-compile-flex (ours compiled with `attention: flex`, what the default
-`auto` runs on a GPU, docs/model.md; CUDA only).
+model, dynamic=False), and when named, ours-compile-flex and ours-compile-triton (ours compiled with `attention: flex`
+or `attention: triton`, docs/model.md; CUDA only).
 
 `--pretrain` runs `pretrain` itself instead (DeepSpeed, bf16 parameters, ZeRO 2 on one process, the same data,
 seed and schedule; its spike guard off, see run_pretrain; the model's default attention, `auto`: FlexAttention on a
@@ -54,8 +54,8 @@ from pretrain.preflight import resolve_vocab_size  # noqa: E402
 from pretrain.trainer import LRSchedule  # noqa: E402
 
 VARIANTS = ("ours", "ours-compile", "hf", "hf-compile")
-OPT_IN_VARIANTS = ("ours-compile-flex",)   # named in --variants only: `attention: flex`, compiled (CUDA: its backward
-# has no CPU kernel); its 400-step parity made it the default on GPUs (docs/model.md)
+OPT_IN_VARIANTS = ("ours-compile-flex", "ours-compile-triton")   # named in --variants only: `attention: flex` or
+# `triton`, compiled (CUDA: FlexAttention has no CPU backward, our Triton kernels run on CPU only interpreted)
 PRETRAIN_VARIANTS = ("pretrain", "pretrain-compile")
 
 
@@ -75,13 +75,13 @@ def prepare(variant: str, ours_cpu: T5Model, device: str) -> torch.nn.Module:
         from pretrain.model.hf import to_hf
         model = to_hf(ours_cpu)
     else:
-        attention = "flex" if variant == "ours-compile-flex" else "sdpa"   # each variant its kernel, on any device
+        attention = variant.rsplit("-", 1)[1] if variant in OPT_IN_VARIANTS else "sdpa"   # each variant its kernel
         model = T5Model(dataclasses.replace(ours_cpu.config, attention=attention))
         model.load_state_dict(ours_cpu.state_dict())
     model = model.to(device=device, dtype=torch.float32).train()
     if variant == "hf-compile":
         model = torch.compile(model, dynamic=False)
-    elif variant in ("ours-compile", "ours-compile-flex"):
+    elif variant.startswith("ours-compile"):
         model.compile_regions()
     return model
 
