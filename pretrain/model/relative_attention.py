@@ -65,39 +65,74 @@ if os.environ.get(SETTINGS_VARIABLE):
 
 
 @triton.jit
+def _head_of_program(num_heads):
+    """(b * H + h, b as int64, h) of this program: grid axis 1 walks batch rows and heads."""
+    bh = tl.program_id(1)
+    return bh, (bh // num_heads).to(tl.int64), bh % num_heads
+
+
+@triton.jit
+def _head_pointers(QKV, BIAS, KEY_BIAS, stride_b, stride_bias_h, stride_kb, num_heads, length,
+                   HEAD_DIM: tl.constexpr):
+    """(b * H + h, b, h) of this program and its pointers: its head's q in QKV (k and v follow H * HEAD_DIM and
+    twice that further on), its head's bias at offset 0 and its batch row's key bias."""
+    bh, b, h = _head_of_program(num_heads)
+    return (bh, b, h, QKV + b * stride_b + h * HEAD_DIM, BIAS + h * stride_bias_h + length - 1,
+            KEY_BIAS + b * stride_kb)
+
+
+@triton.jit
+def _load_rows(base, rows, stride, length, HEAD_DIM: tl.constexpr):
+    """[rows, HEAD_DIM] of one head from a [L, ...] layout whose rows are `stride` apart; zeros past `length`."""
+    return tl.load(base + rows[:, None] * stride + tl.arange(0, HEAD_DIM)[None, :], mask=rows[:, None] < length,
+                   other=0.0)
+
+
+@triton.jit
+def _store_rows(base, rows, stride, length, values, HEAD_DIM: tl.constexpr):
+    tl.store(base + rows[:, None] * stride + tl.arange(0, HEAD_DIM)[None, :], values.to(base.dtype.element_ty),
+             mask=rows[:, None] < length)
+
+
+@triton.jit
+def _scores(a, b, bias_row, key_bias_row, query_idx, key_idx, length,
+            CAUSAL: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr):
+    """(a @ b^T plus the position bias (and the key bias) of each (query, key) of the tile, where a key may be seen:
+    inside the length, and in the decoder not after the query). query_idx and key_idx are broadcast to the tile:
+    [M, 1] and [1, N] for a [queries, keys] tile, [1, M] and [N, 1] for a [keys, queries] one."""
+    valid = key_idx < length
+    if CAUSAL:
+        valid = valid & (key_idx <= query_idx)
+    s = tl.dot(a, tl.trans(b), input_precision=PRECISION)
+    s += tl.load(bias_row + key_idx - query_idx, mask=valid & (query_idx < length), other=0.0)
+    if HAS_KEY_BIAS:
+        s += tl.load(key_bias_row + key_idx, mask=key_idx < length, other=0.0)
+    return s, valid
+
+
+@triton.jit
 def _forward_kernel(QKV, BIAS, KEY_BIAS, OUT, LSE,
                     stride_b, stride_l, stride_ob, stride_ol, stride_bias_h, stride_kb, stride_lse_bh,
                     num_heads, length,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr):
     """One program: BLOCK_M queries of one (batch row, head), every key block, online softmax."""
+    bh, b, h, base, bias_row, key_bias_row = _head_pointers(QKV, BIAS, KEY_BIAS, stride_b, stride_bias_h, stride_kb,
+                                                            num_heads, length, HEAD_DIM)
     start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b = (bh // num_heads).to(tl.int64)
-    h = bh % num_heads
-    inner = num_heads * HEAD_DIM
-    base = QKV + b * stride_b + h * HEAD_DIM
     queries = start_m + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(base + queries[:, None] * stride_l + dims[None, :], mask=queries[:, None] < length, other=0.0)
-    bias_row = BIAS + h * stride_bias_h + length - 1
+    inner = num_heads * HEAD_DIM
+    q = _load_rows(base, queries, stride_l, length, HEAD_DIM)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     end_n = start_m + BLOCK_M if CAUSAL else length   # causal: the keys up to the last query; masked past length
     for start_n in range(0, end_n, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        valid = keys[None, :] < length
-        if CAUSAL:
-            valid = valid & (keys[None, :] <= queries[:, None])
-        k = tl.load(base + inner + keys[:, None] * stride_l + dims[None, :], mask=keys[:, None] < length, other=0.0)
-        v = tl.load(base + 2 * inner + keys[:, None] * stride_l + dims[None, :], mask=keys[:, None] < length,
-                    other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        s += tl.load(bias_row + keys[None, :] - queries[:, None], mask=valid & (queries[:, None] < length),
-                     other=0.0)
-        if HAS_KEY_BIAS:
-            s += tl.load(KEY_BIAS + b * stride_kb + keys, mask=keys < length, other=0.0)[None, :]
+        k = _load_rows(base + inner, keys, stride_l, length, HEAD_DIM)
+        v = _load_rows(base + 2 * inner, keys, stride_l, length, HEAD_DIM)
+        s, valid = _scores(q, k, bias_row, key_bias_row, queries[:, None], keys[None, :], length,
+                           CAUSAL, HAS_KEY_BIAS, PRECISION)
         s = tl.where(valid, s * LOG2E, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -105,11 +140,8 @@ def _forward_kernel(QKV, BIAS, KEY_BIAS, OUT, LSE,
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    out = acc / l_i[:, None]
-    stored = queries < length
-    tl.store(OUT + b * stride_ob + h * HEAD_DIM + queries[:, None] * stride_ol + dims[None, :],
-             out.to(OUT.dtype.element_ty), mask=stored[:, None])
-    tl.store(LSE + bh * stride_lse_bh + queries, m_i + tl.log2(l_i), mask=stored)
+    _store_rows(OUT + b * stride_ob + h * HEAD_DIM, queries, stride_ol, length, acc / l_i[:, None], HEAD_DIM)
+    tl.store(LSE + bh * stride_lse_bh + queries, m_i + tl.log2(l_i), mask=queries < length)
 
 
 @triton.jit
@@ -123,22 +155,15 @@ def _backward_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS,
     length padded to BLOCK) holds them at index offset + P - 1: a tile's diagonals at offsets up to 0 from its corner
     in part 0, the others in part 1, so that the tiles of one program never write the same element (BIAS_GRAD off:
     none written)."""
+    bh, b, h, base, bias_row, key_bias_row = _head_pointers(QKV, BIAS, KEY_BIAS, stride_b, stride_bias_h, stride_kb,
+                                                            num_heads, length, HEAD_DIM)
     block_n = tl.program_id(0)
     start_n = block_n * BLOCK
-    bh = tl.program_id(1)
-    b = (bh // num_heads).to(tl.int64)
-    h = bh % num_heads
-    inner = num_heads * HEAD_DIM
-    base = QKV + b * stride_b + h * HEAD_DIM
-    dout_base = DOUT + b * stride_ob + h * HEAD_DIM
     keys = start_n + tl.arange(0, BLOCK)
-    dims = tl.arange(0, HEAD_DIM)
-    key_rows = keys[:, None] < length
-    k = tl.load(base + inner + keys[:, None] * stride_l + dims[None, :], mask=key_rows, other=0.0)
-    v = tl.load(base + 2 * inner + keys[:, None] * stride_l + dims[None, :], mask=key_rows, other=0.0)
-    if HAS_KEY_BIAS:
-        key_bias = tl.load(KEY_BIAS + b * stride_kb + keys, mask=keys < length, other=0.0)
-    bias_row = BIAS + h * stride_bias_h + length - 1
+    inner = num_heads * HEAD_DIM
+    dout_base = DOUT + b * stride_ob + h * HEAD_DIM
+    k = _load_rows(base + inner, keys, stride_l, length, HEAD_DIM)
+    v = _load_rows(base + 2 * inner, keys, stride_l, length, HEAD_DIM)
     dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     rows = tl.arange(0, BLOCK)[:, None]
@@ -152,18 +177,13 @@ def _backward_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS,
     first_m = start_n if CAUSAL else 0             # causal: the tiles above the diagonal are all masked
     for start_m in range(first_m, length, BLOCK):
         queries = start_m + tl.arange(0, BLOCK)
-        query_cols = queries[:, None] < length
-        q = tl.load(base + queries[:, None] * stride_l + dims[None, :], mask=query_cols, other=0.0)
-        do = tl.load(dout_base + queries[:, None] * stride_ol + dims[None, :], mask=query_cols, other=0.0)
+        q = _load_rows(base, queries, stride_l, length, HEAD_DIM)
+        do = _load_rows(dout_base, queries, stride_ol, length, HEAD_DIM)
         lse = tl.load(LSE + bh * stride_lse_bh + queries, mask=queries < length, other=0.0)
         delta = tl.load(DELTA + bh * stride_lse_bh + queries, mask=queries < length, other=0.0)
-        valid = key_rows & (queries[None, :] < length)
-        if CAUSAL:
-            valid = valid & (queries[None, :] >= keys[:, None])
-        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)            # [keys, queries]
-        s_t += tl.load(bias_row + keys[:, None] - queries[None, :], mask=valid, other=0.0)
-        if HAS_KEY_BIAS:
-            s_t += key_bias[:, None]
+        s_t, valid = _scores(k, q, bias_row, key_bias_row, queries[None, :], keys[:, None], length,
+                             CAUSAL, HAS_KEY_BIAS, PRECISION)                  # [keys, queries]
+        valid = valid & (queries[None, :] < length)
         p_t = tl.where(valid, tl.exp2(s_t * LOG2E - lse[None, :]), 0.0)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -179,10 +199,8 @@ def _backward_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS,
             tl.store(below_row + corner - slots, below)
             tl.store(above_row + corner + BLOCK - slots, above, mask=slots > 0)
     grad_base = DQKV + b * stride_db + h * HEAD_DIM
-    tl.store(grad_base + inner + keys[:, None] * stride_dl + dims[None, :], dk.to(DQKV.dtype.element_ty),
-             mask=key_rows)
-    tl.store(grad_base + 2 * inner + keys[:, None] * stride_dl + dims[None, :], dv.to(DQKV.dtype.element_ty),
-             mask=key_rows)
+    _store_rows(grad_base + inner, keys, stride_dl, length, dk, HEAD_DIM)
+    _store_rows(grad_base + 2 * inner, keys, stride_dl, length, dv, HEAD_DIM)
 
 
 @triton.jit
@@ -192,55 +210,40 @@ def _backward_q_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV,
                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        CAUSAL: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr):
     """One program: BLOCK_M queries of one (batch row, head), every key block: dq."""
+    bh, b, h, base, bias_row, key_bias_row = _head_pointers(QKV, BIAS, KEY_BIAS, stride_b, stride_bias_h, stride_kb,
+                                                            num_heads, length, HEAD_DIM)
     start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b = (bh // num_heads).to(tl.int64)
-    h = bh % num_heads
-    inner = num_heads * HEAD_DIM
-    base = QKV + b * stride_b + h * HEAD_DIM
     queries = start_m + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, HEAD_DIM)
-    query_rows = queries[:, None] < length
-    q = tl.load(base + queries[:, None] * stride_l + dims[None, :], mask=query_rows, other=0.0)
-    do = tl.load(DOUT + b * stride_ob + h * HEAD_DIM + queries[:, None] * stride_ol + dims[None, :],
-                 mask=query_rows, other=0.0)
+    inner = num_heads * HEAD_DIM
+    q = _load_rows(base, queries, stride_l, length, HEAD_DIM)
+    do = _load_rows(DOUT + b * stride_ob + h * HEAD_DIM, queries, stride_ol, length, HEAD_DIM)
     lse = tl.load(LSE + bh * stride_lse_bh + queries, mask=queries < length, other=0.0)
     delta = tl.load(DELTA + bh * stride_lse_bh + queries, mask=queries < length, other=0.0)
-    bias_row = BIAS + h * stride_bias_h + length - 1
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     end_n = start_m + BLOCK_M if CAUSAL else length   # causal: the keys up to the last query; masked past length
     for start_n in range(0, end_n, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        valid = query_rows & (keys[None, :] < length)
-        if CAUSAL:
-            valid = valid & (keys[None, :] <= queries[:, None])
-        k = tl.load(base + inner + keys[:, None] * stride_l + dims[None, :], mask=keys[:, None] < length, other=0.0)
-        v = tl.load(base + 2 * inner + keys[:, None] * stride_l + dims[None, :], mask=keys[:, None] < length,
-                    other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        s += tl.load(bias_row + keys[None, :] - queries[:, None], mask=valid, other=0.0)
-        if HAS_KEY_BIAS:
-            s += tl.load(KEY_BIAS + b * stride_kb + keys, mask=keys < length, other=0.0)[None, :]
+        k = _load_rows(base + inner, keys, stride_l, length, HEAD_DIM)
+        v = _load_rows(base + 2 * inner, keys, stride_l, length, HEAD_DIM)
+        s, valid = _scores(q, k, bias_row, key_bias_row, queries[:, None], keys[None, :], length,
+                           CAUSAL, HAS_KEY_BIAS, PRECISION)
+        valid = valid & (queries[:, None] < length)
         p = tl.where(valid, tl.exp2(s * LOG2E - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    tl.store(DQKV + b * stride_db + h * HEAD_DIM + queries[:, None] * stride_dl + dims[None, :],
-             dq.to(DQKV.dtype.element_ty), mask=query_rows)
+    _store_rows(DQKV + b * stride_db + h * HEAD_DIM, queries, stride_dl, length, dq, HEAD_DIM)
 
 
 @triton.jit
 def _delta_kernel(OUT, DOUT, DELTA, stride_ob, stride_ol, stride_lse_bh, num_heads, length,
                   HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     """delta[b, h, i] = sum_d out[b, i, h, d] * dout[b, i, h, d] in fp32 (the softmax backward's row term)."""
+    bh, b, h = _head_of_program(num_heads)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    bh = tl.program_id(1)
-    b = (bh // num_heads).to(tl.int64)
-    h = bh % num_heads
-    offsets = b * stride_ob + h * HEAD_DIM + rows[:, None] * stride_ol + tl.arange(0, HEAD_DIM)[None, :]
-    inside = rows[:, None] < length
-    out = tl.load(OUT + offsets, mask=inside, other=0.0).to(tl.float32)
-    dout = tl.load(DOUT + offsets, mask=inside, other=0.0).to(tl.float32)
+    offset = b * stride_ob + h * HEAD_DIM
+    out = _load_rows(OUT + offset, rows, stride_ol, length, HEAD_DIM).to(tl.float32)
+    dout = _load_rows(DOUT + offset, rows, stride_ol, length, HEAD_DIM).to(tl.float32)
     tl.store(DELTA + bh * stride_lse_bh + rows, tl.sum(out * dout, 1), mask=rows < length)
 
 

@@ -65,6 +65,16 @@ def forward_backward(model, inputs, labels, attention_mask):
     return loss.detach(), logits, {name: p.grad for name, p in model.named_parameters()}
 
 
+def assert_same_outputs(got, want, tolerance, loss_rtol):
+    """`forward_backward`'s (loss, logits, grads) of one model against another's: the loss to loss_rtol, the logits
+    and every parameter's gradient to `tolerance` of the tensor's scale."""
+    torch.testing.assert_close(got[0], want[0], rtol=loss_rtol, atol=0)
+    assert_close_relative(got[1], want[1], tolerance, "logits")
+    for name, grad in want[2].items():
+        assert got[2][name] is not None, f"{name}: no gradient"
+        assert_close_relative(got[2][name], grad, tolerance, name)
+
+
 def test_attention_is_flex_on_cuda_and_sdpa_elsewhere_by_default():
     config = load_config("mt5-large")
     assert config.attention == "auto"
@@ -115,7 +125,7 @@ def test_flex_logits_loss_and_every_gradient_equal_sdpa(cpu_flex_backward, monke
     labels[1, -2:] = 0   # padded targets are ignored by the loss, as with SDPA
     attention_mask = padding_mask(inputs) if padded else None
     sdpa, flex = build("t5-tiny", seed=1), build("t5-tiny", seed=1, attention="flex")
-    want_loss, want_logits, want_grads = forward_backward(sdpa, inputs, labels, attention_mask)
+    want = forward_backward(sdpa, inputs, labels, attention_mask)
     calls = []
     if mode == "eager":
         monkeypatch.setattr(model_module, "flex_attention", counting(flex_module.flex_attention, calls))
@@ -123,14 +133,10 @@ def test_flex_logits_loss_and_every_gradient_equal_sdpa(cpu_flex_backward, monke
         uncompiled_off_cpu(monkeypatch, calls)
     else:
         flex.compile_regions(backend="aot_eager")
-    got_loss, got_logits, got_grads = forward_backward(flex, inputs, labels, attention_mask)
+    got = forward_backward(flex, inputs, labels, attention_mask)
     if mode != "compile-regions":  # 2 encoder + 2 decoder self-attentions, twice; 20 and 9 are padded to 128, so
         assert len(calls) == 8 and all(mask is not None for mask in calls)   # every one masks the padded keys
-    torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=0)
-    assert_close_relative(got_logits, want_logits, 1e-5, "logits")
-    for name, want in want_grads.items():
-        assert got_grads[name] is not None, f"{name}: no gradient"
-        assert_close_relative(got_grads[name], want, 1e-5, name)
+    assert_same_outputs(got, want, 1e-5, loss_rtol=1e-6)
 
 
 def test_flex_runs_at_lengths_padded_to_its_block():
@@ -197,10 +203,5 @@ def test_compiled_flex_training_step_on_cuda(monkeypatch, mode):
     flex = build("t5-tiny", seed=0, attention="flex", activation_checkpointing=checkpointed).cuda().train()
     if mode == "compile-regions":
         flex.compile_regions()
-    want_loss, want_logits, want_grads = forward_backward(sdpa, inputs, labels, None)
-    got_loss, got_logits, got_grads = forward_backward(flex, inputs, labels, None)
-    torch.testing.assert_close(got_loss, want_loss, rtol=1e-4, atol=0)
-    assert_close_relative(got_logits, want_logits, 1e-4, "logits")
-    for name, want in want_grads.items():
-        assert got_grads[name] is not None, f"{name}: no gradient"
-        assert_close_relative(got_grads[name], want, 1e-4, name)
+    assert_same_outputs(forward_backward(flex, inputs, labels, None), forward_backward(sdpa, inputs, labels, None),
+                        1e-4, loss_rtol=1e-4)

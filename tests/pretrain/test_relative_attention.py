@@ -23,6 +23,7 @@ import pretrain.model.t5 as model_module  # noqa: E402
 from pipeline.common import UserError  # noqa: E402
 from pretrain.model.relative_attention import relative_attention  # noqa: E402
 from pretrain.model.t5 import build, load_config  # noqa: E402
+from tests.pretrain.test_flex_attention import assert_same_outputs, forward_backward  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -103,21 +104,6 @@ def test_the_custom_ops_fake_kernels_and_autograd_agree_with_the_real_ones(causa
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def model_outputs(model, inputs, labels, attention_mask):
-    """(loss, logits, {name: grad}) of one loss forward + backward and one logits forward."""
-    loss = model(inputs, labels=labels, attention_mask=attention_mask)
-    loss.backward()
-    with torch.no_grad():
-        logits = model(inputs, decoder_input_ids=model.shift_right(labels), attention_mask=attention_mask)
-    return loss.detach(), logits, {name: p.grad for name, p in model.named_parameters()}
-
-
-def assert_close_relative(got, want, tolerance, name=""):
-    error = (got - want).abs().max().item()
-    scale = want.abs().max().item()
-    assert error <= tolerance * scale, f"{name}: max error {error:.3g} against scale {scale:.3g}"
-
-
 @pytest.mark.parametrize("mode, padded", [("eager", True), ("compile-regions", False), ("checkpointed", True)])
 def test_model_with_triton_attention_equals_sdpa(monkeypatch, mode, padded):
     """t5-tiny in fp32: loss, logits and every parameter's gradient as the SDPA model's, 1e-5 of each tensor's
@@ -142,14 +128,10 @@ def test_model_with_triton_attention_equals_sdpa(monkeypatch, mode, padded):
                         lambda *args: calls.append(1) or real(*args))
     if mode == "compile-regions":
         ours.compile_regions(backend="aot_eager" if DEVICE == "cpu" else "inductor")
-    want_loss, want_logits, want_grads = model_outputs(sdpa, inputs, labels, attention_mask)
-    got_loss, got_logits, got_grads = model_outputs(ours, inputs, labels, attention_mask)
+    want = forward_backward(sdpa, inputs, labels, attention_mask)
+    got = forward_backward(ours, inputs, labels, attention_mask)
     assert len(calls) == 4                       # encoder and decoder, loss and logits forwards: never SDPA
-    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=0)
-    assert_close_relative(got_logits, want_logits, 1e-5, "logits")
-    for name, want in want_grads.items():
-        assert got_grads[name] is not None, f"{name}: no gradient"
-        assert_close_relative(got_grads[name], want, 1e-5, name)
+    assert_same_outputs(got, want, 1e-5 if DEVICE == "cpu" else 1e-4, loss_rtol=1e-5)
 
 
 def test_triton_attention_config_errors_are_one_clear_line():
