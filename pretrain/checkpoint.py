@@ -262,7 +262,7 @@ RESUME_FREE = frozenset({
     "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_unit", "stage3_module_hooks",
     "nvme_path", "micro_batch", "global_batch", "spike_sigmas", "spike_window", "rollback_after", "debug_nan_batches",
     "debug_spike_batches", "max_restarts", "rank_timeout", "remote_prefetch_shards", "cache_max_gib", "omp_num_threads",
-    "cpu_affinity"})
+    "cpu_affinity", "optimizer_step"})
 # What the checkpoint's tensors are: another value cannot be loaded (another ZeRO stage's partitions, another
 # offload's optimizer layout and another precision are not converted here).
 RESUME_FIXED = frozenset({"model", "model_overrides", "vocab_size", "zero", "offload", "precision"})

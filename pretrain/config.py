@@ -26,6 +26,7 @@ LOADERS = ("shards", "online", "remote")   # pretrain.data: mmap'd shard set, te
 CPU_AFFINITIES = ("none", "split")
 GATHER_UNITS = ("block", "stack")     # ZeRO 3's unit of gathering; pretrain.model.zero3 maps each to a module
 MODULE_HOOKS = ("auto", "keep")       # ZeRO 3's module hooks: pretrain.model.zero3.drop_idle_module_hooks
+OPTIMIZER_STEPS = ("deepspeed", "fused")   # ZeRO 1-2's optimizer step: pretrain.fused_step.fuse_optimizer_step
 STAGE3_TUNABLES = ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
                    "stage3_max_live_parameters", "stage3_max_reuse_distance")
 
@@ -108,6 +109,11 @@ class TrainConfig:
     stage3_max_reuse_distance: int | None = setting(None, "ZeRO-3: keep a param gathered if reused within this")
     stage3_gather_unit: str = setting("block", "ZeRO-3: gather each T5 block, or each whole encoder/decoder stack "
                                                "at once", choices=GATHER_UNITS)
+    optimizer_step: str = setting("deepspeed", "ZeRO 1-2 without offload: deepspeed runs DeepSpeed's step as it is; "
+                                               "fused concatenates the gradients into fp32 in one pass and runs "
+                                               "torch's fused AdamW with the clipping factor inside "
+                                               "(pretrain/fused_step.py); elsewhere DeepSpeed's",
+                                  choices=OPTIMIZER_STEPS)
     stage3_module_hooks: str = setting("auto", "ZeRO-3: DeepSpeed's per-module fetch/release hooks; auto leaves them "
                                                "out where they have nothing to do (one rank, every weight resident, "
                                                "nothing offloaded), keep always runs them", choices=MODULE_HOOKS)
@@ -148,7 +154,7 @@ class TrainConfig:
 
         for name, allowed in (("zero", ZERO_STAGES), ("offload", OFFLOADS), ("schedule", SCHEDULES),
                               ("precision", PRECISIONS), ("stage3_gather_unit", GATHER_UNITS),
-                              ("stage3_module_hooks", MODULE_HOOKS),
+                              ("stage3_module_hooks", MODULE_HOOKS), ("optimizer_step", OPTIMIZER_STEPS),
                               ("loader", LOADERS), ("cpu_affinity", CPU_AFFINITIES)):
             need(getattr(self, name) in allowed,
                  f"--{name.replace('_', '-')} must be one of {', '.join(map(str, allowed))}; got {getattr(self, name)!r}")

@@ -28,6 +28,7 @@ from pretrain.anomalies import DEBUG_SPIKE_FACTOR, MAX_ROLLBACKS, StepGuard
 from pretrain.ranks import RESUMABLE_EXIT, heartbeat, launch_t0, preemption, startup_threads
 from pretrain.hostcpu import HostMeter, bind_rank, set_omp_threads
 from pretrain.metrics import MetricsLog, PhaseClock, host_peak_rss_gib, peak_tflops_for, summarize, write_summary
+from pretrain.fused_step import fuse_optimizer_step
 from pretrain.grad_norm import fuse_grad_norm
 
 
@@ -214,7 +215,9 @@ class Trainer:
             lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))
         self.engine_note = {"optimizer": type(self.optimizer).__name__,
                             "overflow_check_fused": fuse_overflow_check(self.optimizer),
-                            "grad_norm_fused": fuse_grad_norm(self.optimizer)}
+                            "grad_norm_fused": fuse_grad_norm(self.optimizer),
+                            "optimizer_step": ("fused" if config.optimizer_step == "fused"
+                                               and fuse_optimizer_step(self.optimizer) else "deepspeed")}
         if config.zero == 3:
             from pretrain.model.zero3 import drop_idle_module_hooks
             self.engine_note["module_hooks"] = ("dropped" if config.stage3_module_hooks == "auto"

@@ -12,7 +12,9 @@ Launches (each a real `python -m pretrain.cli` run, 6 steps of 16 examples, grad
          under the profiler (--profile-steps 1)
   stack3 ZeRO 3 eager with each whole stack as the unit of gathering (--stage3-gather-unit stack), --stop-after 3
   one0 / one1 / one2 / one3  --nproc 1 --resume from the step-3 checkpoint of stop0 / stop1 / ref / stop3 (2 ranks
-         -> 1, grad accumulation 2 -> 4; ZeRO 1-3 through a universal checkpoint)
+         -> 1, grad accumulation 2 -> 4; ZeRO 1-3 through a universal checkpoint; one1 and one2 ask for
+         --optimizer-step fused, which one2 runs)
+  fused2 ZeRO 2, 2 ranks, --optimizer-step fused, --stop-after 3
   broken --nproc 1 --resume from a ZeRO 2 checkpoint with a corrupt partition file (its saved size kept): must fail
          with one line (tests/pretrain/test_resume_fallback.py has the truncated and fallback cases)
 plus one 2-rank gloo script (no training) that compares the partitioned build with `build` bit for bit.
@@ -253,9 +255,11 @@ def test_resume_at_another_rank_count_continues_the_data_order(runs):
     for stage in (0, 1, 3):
         runs.stopped(stage)
     sources = {0: runs.dir("stop0"), 1: runs.dir("stop1"), 2: runs.dir("ref"), 3: runs.dir("stop3")}
+    # the fused optimizer step resumes DeepSpeed's checkpoint at ZeRO 2; under offload (ZeRO 1 here) it does not apply
+    extras = {1: ("--activation-checkpointing", "--offload", "cpu", "--optimizer-step", "fused"),   # as stop1 ran
+              2: ("--optimizer-step", "fused")}
     for stage, source in sources.items():
-        extra = ("--activation-checkpointing", "--offload", "cpu") if stage == 1 else ()   # as stop1 ran
-        result, records = resume_at_one_rank(runs, stage, source, *extra)
+        result, records = resume_at_one_rank(runs, stage, source, *extras.get(stage, ()))
         assert f"[resume] {tag_for(HALF)}" in result.stdout
         after = [r for r in records if r["step"] > HALF]
         assert [r["step"] for r in after] == list(range(HALF + 1, STEPS + 1)), stage
@@ -274,6 +278,7 @@ def test_resume_at_another_rank_count_continues_the_data_order(runs):
         assert config["deepspeed"].get("checkpoint", {}).get("load_universal", False) == (stage > 0)
         if stage == 3:      # resumed on one rank without its module hooks (the test below)
             assert config["engine"]["module_hooks"] == "dropped"
+        assert config["engine"]["optimizer_step"] == ("fused" if stage == 2 else "deepspeed"), stage
 
 
 def test_zero3_on_one_rank_leaves_out_its_idle_module_hooks_with_the_same_losses(runs):
@@ -293,6 +298,20 @@ def test_zero3_on_one_rank_leaves_out_its_idle_module_hooks_with_the_same_losses
     assert losses(records["auto"]) == pytest.approx(losses(ref[:HALF]), rel=2e-5, abs=2e-5)
     runs.stopped(3)
     assert json.loads((runs.dir("stop3") / "config.json").read_text())["engine"]["module_hooks"] == "kept"
+
+
+def test_the_fused_optimizer_step_trains_as_deepspeeds_on_two_ranks(runs):
+    """--optimizer-step fused (pretrain/fused_step.py) at ZeRO 2 on 2 ranks, each updating its half of the
+    partitioned weights: the losses and gradient norms of DeepSpeed's own step (the reference) within fp32's
+    rounding (the same AdamW, its floating-point operations in another order). Its resume from DeepSpeed's
+    checkpoint is in the rank-count test above."""
+    ref = runs.ref()
+    runs.run("fused2", "--zero", "2", "--nproc", "2", "--stop-after", str(HALF), "--optimizer-step", "fused")
+    fused = runs.metrics("fused2")
+    assert json.loads((runs.dir("fused2") / "config.json").read_text())["engine"]["optimizer_step"] == "fused"
+    assert losses(fused) == pytest.approx(losses(ref[:HALF]), rel=2e-6)
+    assert [r["grad_norm"] for r in fused] == pytest.approx([r["grad_norm"] for r in ref[:HALF]], rel=1e-5)
+    assert [r["batch_checksum"] for r in fused] == [r["batch_checksum"] for r in ref[:HALF]]
 
 
 def test_a_corrupt_partition_fails_the_conversion_with_one_line(runs):
