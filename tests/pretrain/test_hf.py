@@ -16,7 +16,8 @@ def perturbed_hf_model(seed=0):
     hf_model = transformers.T5ForConditionalGeneration(config)
     generator = torch.Generator().manual_seed(seed)
     # transformers >= 5 ties lm_head to shared at construction; give the head its own weights, as mT5 has.
-    hf_model.lm_head.weight = torch.nn.Parameter(torch.empty_like(hf_model.shared.weight))
+    # (drawn, not torch.empty: uninitialised memory left by earlier tests once held NaN here)
+    hf_model.lm_head.weight = torch.nn.Parameter(torch.randn(hf_model.shared.weight.shape, generator=generator))
     getattr(hf_model, "all_tied_weights_keys", {}).pop("lm_head.weight", None)
     with torch.no_grad():
         for name, param in hf_model.named_parameters():

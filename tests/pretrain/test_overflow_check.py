@@ -66,8 +66,8 @@ def test_the_fused_zero2_check_answers_as_deepspeeds(case):
 
 
 def test_a_real_bf16_zero2_run_installs_the_fused_check_and_still_skips_a_nan(tiny_shards, tmp_path):
-    """pretrain at ZeRO 2 in bf16 on CPU (one gloo rank): the engine notes the replaced check, a NaN forced on batch
-    2 (its gradients NaN too) is skipped, and training goes on with finite losses."""
+    """pretrain at ZeRO 2 in bf16 on CPU (one gloo rank), with the fused optimizer step: the engine notes the replaced
+    check, a NaN forced on batch 2 (its gradients NaN too) is skipped, and training goes on with finite losses."""
     import json
 
     from pretrain.metrics import read_metrics
@@ -75,9 +75,10 @@ def test_a_real_bf16_zero2_run_installs_the_fused_check_and_still_skips_a_nan(ti
 
     out = tmp_path / "z2-bf16"
     ok(pretrain(*COMMON, "--data", str(tiny_shards), "--out", str(out), "--zero", "2", "--nproc", "1",
-                "--precision", "bf16", "--debug-nan-batches", "2", "--rollback-after", "0"))
+                "--precision", "bf16", "--debug-nan-batches", "2", "--rollback-after", "0", "--optimizer-step", "fused"))
     engine = json.loads((out / "config.json").read_text())["engine"]
-    assert engine == {"optimizer": "DeepSpeedZeroOptimizer", "overflow_check_fused": True, "grad_norm_fused": True}
+    assert engine == {"optimizer": "DeepSpeedZeroOptimizer", "overflow_check_fused": True, "grad_norm_fused": True,
+                      "optimizer_step": "fused"}
     records = read_metrics(out / "metrics.jsonl")
     assert records[1]["skipped"] == "nonfinite_loss"
     assert all(r["skipped"] is None and r["loss"] is not None for r in records[2:])
