@@ -91,16 +91,21 @@ def fuse_optimizer_step(zero) -> bool:
 
     def unscale_and_clip_grads(grad_groups_flat, total_norm):
         """Record the factor DeepSpeed would divide by (loss scale times the clipping ratio); apply nothing."""
+        def on_device(value) -> torch.Tensor:   # made there (a fill), not copied from the host: no sync in the step
+            if torch.is_tensor(value):
+                return value.to(zero.device)
+            return torch.full((), float(value), dtype=torch.float32, device=zero.device)
+
         factor = None
-        if zero.clip_grad > 0.0 or zero.loss_scale != 1.0:
-            factor = torch.as_tensor(float(zero.loss_scale), dtype=torch.float32, device=zero.device)
-            if zero.clip_grad > 0.0:
-                norm = torch.as_tensor(float("inf") if total_norm is None else total_norm, device=zero.device)
-                # a non-finite norm (and DeepSpeed's -1 for one) clips by infinity, as DeepSpeed's; here without
-                # its host sync
-                norm = torch.where(torch.isfinite(norm) & (norm >= 0), norm, torch.full_like(norm, float("inf")))
-                ratio = torch.clamp(((norm / zero.loss_scale) + 1e-6) / zero.clip_grad, min=1.0)
-                factor = (ratio * zero.loss_scale).float()
+        if zero.clip_grad > 0.0:
+            norm = on_device(float("inf") if total_norm is None else total_norm)
+            # a non-finite norm (and DeepSpeed's -1 for one) clips by infinity, as DeepSpeed's; here without its
+            # host sync
+            norm = torch.where(torch.isfinite(norm) & (norm >= 0), norm, torch.full_like(norm, float("inf")))
+            ratio = torch.clamp(((norm / zero.loss_scale) + 1e-6) / zero.clip_grad, min=1.0)
+            factor = (ratio * zero.loss_scale).float()
+        elif zero.loss_scale != 1.0:
+            factor = on_device(zero.loss_scale)
         for grad in grad_groups_flat:
             scales[id(grad)] = factor
 
