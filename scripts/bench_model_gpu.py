@@ -14,6 +14,10 @@ printed last; results.json and results.md go to --out. Interrupted (SIGINT, e.g.
 call's limit), it still writes them for what it measured, says so, and exits 130. `--device cpu --models t5-tiny` is
 a smoke test.
 
+`--rounds N` separates a small difference from the drift between runs: every variant's model is built and warmed up
+once, then the variants are timed in turn N times (A B A B ...), `--steps` steps a round; ms/step is the median of a
+variant's round medians, min-max over them. Their models stay on the device together (peak memory: what each added).
+
 `--batches 96 128 192 ...` also measures every variant at those batch sizes, in increasing order until one does not
 fit (a size whose peak memory, extrapolated from the sizes that fit, exceeds the device's is recorded as not
 fitting without being compiled), and adds a second table: each variant at its fastest fitting batch, with its
@@ -153,9 +157,11 @@ def prepare(variant: str, ours_cpu, device: str):
     return model
 
 
-def bench_variant(variant, ours_cpu, batch, args, flops_per_step, ceiling, peak):
+def start_variant(variant, ours_cpu, batch, args) -> dict:
+    """`variant`'s model on the device with its step, compiled by its first step and warmed up: the step closure, the
+    first loss, the first step's seconds and the peak memory it added to what was allocated before it was built."""
     device = args.device
-    size = batch[0].shape[0]
+    held = torch.cuda.memory_allocated() if device == "cuda" else 0   # other variants' models (--rounds)
     model = prepare(variant, ours_cpu, device)
     step = make_step(variant, model, batch)
     if device == "cuda":
@@ -167,27 +173,87 @@ def bench_variant(variant, ours_cpu, batch, args, flops_per_step, ceiling, peak)
     for _ in range(args.warmup - 1):
         step()
     sync(device)
-    times = []                                   # each timed step on its own, for the spread
+    peak = (torch.cuda.max_memory_allocated() - held) / 2**30 if device == "cuda" else float("nan")
+    return {"model": model, "step": step, "first_loss": first_loss, "first_step_s": first_step_s, "peak_mem_gib": peak}
+
+
+def time_steps(step, args) -> tuple[list[float], float]:
+    """`args.steps` steps, each timed on its own (for the spread); their seconds and the last loss."""
+    times = []
     for _ in range(args.steps):
         start = time.perf_counter()
         loss = step()
-        sync(device)
+        sync(args.device)
         times.append(time.perf_counter() - start)
-    step_s = statistics.median(times)
-    if variant == args.profile:
-        profile(step, args, f"{ours_cpu.config.name}-{variant}")
+    return times, float(loss.detach())
+
+
+def row_of(variant, size, started, step_s, low_s, high_s, last_loss, args, flops_per_step, ceiling, peak) -> dict:
     tokens = size * (args.input_length + args.target_length)
     tflops = flops_per_step / step_s / 1e12
-    row = {"variant": variant, "batch": size, "first_loss": first_loss, "last_loss": float(loss.detach()), "ms_per_step": 1e3 * step_s,
-           "ms_min": 1e3 * min(times), "ms_max": 1e3 * max(times),
-           "tokens_per_s": tokens / step_s, "tflops": tflops, "mfu": tflops / peak if peak else float("nan"),
-           "of_gemm": tflops / ceiling,
-           "first_step_s": first_step_s,
-           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")}
-    del model, step
-    if device == "cuda":
+    return {"variant": variant, "batch": size, "first_loss": started["first_loss"], "last_loss": last_loss,
+            "ms_per_step": 1e3 * step_s, "ms_min": 1e3 * low_s, "ms_max": 1e3 * high_s,
+            "tokens_per_s": tokens / step_s, "tflops": tflops, "mfu": tflops / peak if peak else float("nan"),
+            "of_gemm": tflops / ceiling, "first_step_s": started["first_step_s"],
+            "peak_mem_gib": started["peak_mem_gib"]}
+
+
+def bench_variant(variant, ours_cpu, batch, args, flops_per_step, ceiling, peak):
+    started = start_variant(variant, ours_cpu, batch, args)
+    times, last_loss = time_steps(started["step"], args)
+    if variant == args.profile:
+        profile(started["step"], args, f"{ours_cpu.config.name}-{variant}")
+    row = row_of(variant, batch[0].shape[0], started, statistics.median(times), min(times), max(times), last_loss,
+                 args, flops_per_step, ceiling, peak)
+    del started
+    if args.device == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def measure_rounds(preset, ours_cpu, largest, args, ceiling, peak, rows: list[dict]) -> None:
+    """--rounds: every variant's model built, compiled and warmed up once, then timed `args.rounds` times in turn
+    (A B C A B C ...), `args.steps` steps a round, at `args.batch`; one row per variant appended to `rows`, its
+    ms/step the median of its round medians, min-max over them. What drifts between runs (clocks, the machine's
+    neighbours) then falls on every variant alike. Interrupted, the rows of the rounds finished are still appended."""
+    batch = tuple(part[:args.batch].to(args.device) for part in largest)
+    flops = train_step_flops(ours_cpu.config, args.batch, args.input_length, args.target_length)
+    started, errors, medians, last = {}, {}, {}, {}
+    try:
+        for variant in args.variants:
+            try:
+                started[variant] = start_variant(variant, ours_cpu, batch, args)
+                medians[variant] = []
+            except torch.OutOfMemoryError as err:
+                errors[variant] = (f"out of memory beside the other variants' models (--rounds keeps them all): "
+                                   f"{str(err).splitlines()[0]}")
+            except Exception as err:
+                errors[variant] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        for round_ in range(args.rounds):
+            for variant, held in started.items():
+                times, last[variant] = time_steps(held["step"], args)
+                medians[variant].append(statistics.median(times))
+            print(f"round {round_ + 1}/{args.rounds}: " + ", ".join(
+                f"{v} {1e3 * m[-1]:.1f} ms" for v, m in medians.items()), flush=True)
+        for variant, held in started.items():
+            if variant == args.profile:
+                profile(held["step"], args, f"{ours_cpu.config.name}-{variant}")
+    finally:   # also on an interrupt: the rows of the rounds that finished
+        for variant in args.variants:
+            if variant in errors:
+                rows.append({"variant": variant, "batch": args.batch, "error": errors[variant]})
+            elif medians.get(variant):
+                ms = medians[variant]
+                row = row_of(variant, args.batch, started[variant], statistics.median(ms), min(ms), max(ms),
+                             last[variant], args, flops, ceiling, peak)
+                rows.append({**row, "rounds_ms": [round(1e3 * m, 2) for m in ms]})
+            else:
+                continue
+            rows[-1]["model"] = preset
+            print(json.dumps(rows[-1]), flush=True)
+        started.clear()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def measure(variant, ours_cpu, largest, size, args, ceiling, peak) -> dict:
@@ -250,6 +316,8 @@ def main() -> int:
     parser.add_argument("--target-length", type=int, default=114)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (the first compiles)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="at --batch, build every variant once and time them in turn this many times, --steps steps a round (ms/step: the median of the round medians, min-max over them); their models stay on the device together")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--matmul-size", type=int, default=8192)
     parser.add_argument("--peak-tflops", type=float, default=None,
@@ -296,8 +364,14 @@ def main() -> int:
                 print(f"{preset}: SDPA kernels {sdpa_backends(ours_cpu, args)}", flush=True)
                 for kind in sorted({attention_of(variant) for variant in args.variants} - {"sdpa"}):
                     print(f"{preset}: *-{kind} kernels {sdpa_backends(ours_cpu, args, kind)}", flush=True)
+            if args.rounds > 1:          # args.batch first, every variant in turn; the other sizes below
+                measure_rounds(preset, ours_cpu, largest, args, ceiling, peak, rows)
             for variant in args.variants:
                 for size in sizes:            # the same examples at every size: a prefix of the largest batch
+                    if args.rounds > 1 and size == args.batch:
+                        if "error" in next(r for r in rows if (r["model"], r["variant"]) == (preset, variant)):
+                            break
+                        continue
                     fits = [r for r in rows if (r["model"], r["variant"]) == (preset, variant) and "error" not in r]
                     predicted = predicted_peak_gib(fits, size) if capacity else None
                     if predicted is not None and size > args.batch and predicted > capacity:
@@ -348,7 +422,9 @@ def main() -> int:
                       f"{r.get('best_vs_hf_compile', float('nan')):.2f} |" for r in best))
     summary = (f"{env['device']}, torch {env['torch']}, transformers {env.get('transformers', '-')}; bf16 params + "
                f"fused AdamW; batch {args.batch}, inputs {args.input_length}, targets {args.target_length}; "
-               f"{args.steps} timed steps after {args.warmup} warm-up; MFU vs the datasheet dense bf16 peak {peak} "
+               + (f"{args.rounds} rounds of {args.steps} timed steps, the variants in turn (ms/step: the median of the round "
+                  f"medians, min-max over them)" if args.rounds > 1 else f"{args.steps} timed steps")
+               + f" after {args.warmup} warm-up; MFU vs the datasheet dense bf16 peak {peak} "
                f"TFLOP/s; x GEMM vs a bf16 {args.matmul_size}^3 matmul measured here, {ceiling:.1f} TFLOP/s"
                + ("; INTERRUPTED before every variant and batch was measured" if interrupted else ""))
     result = {"env": env, "ceiling_tflops": ceiling, "peak_tflops": peak, "args": vars(args), "rows": rows,

@@ -69,3 +69,24 @@ def test_an_interrupted_run_still_writes_the_tables_of_what_it_measured(tmp_path
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["interrupted"] and [(r["variant"], r["batch"]) for r in result["rows"]] == [("ours", 2)]
     assert "INTERRUPTED" in (tmp_path / "results.md").read_text()
+
+
+def test_rounds_time_the_variants_in_turn_and_report_the_spread_over_rounds(tmp_path):
+    """--rounds: each variant built once, timed once per round in turn; ms/step is the median of its round medians."""
+    command = [sys.executable, str(SCRIPT), "--device", "cpu", "--models", "t5-tiny", "--variants", "ours", "hf",
+               "--batch", "2", "--steps", "2", "--warmup", "1", "--rounds", "3", "--input-length", "32",
+               "--target-length", "8", "--matmul-size", "256", "--out", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert [line.split(":")[0] for line in done.stdout.splitlines() if line.startswith("round ")] == \
+        ["round 1/3", "round 2/3", "round 3/3"]
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["variant"], r["batch"]) for r in rows] == [("ours", 2), ("hf", 2)]
+    for row in rows:
+        rounds = row["rounds_ms"]
+        assert len(rounds) == 3
+        assert row["ms_min"] == pytest.approx(min(rounds), abs=0.01)
+        assert row["ms_max"] == pytest.approx(max(rounds), abs=0.01)
+        assert row["ms_per_step"] == pytest.approx(sorted(rounds)[1], abs=0.01)
+    assert rows[1]["speedup_vs_hf"] == pytest.approx(1.0)
+    assert "3 rounds of 2 timed steps" in (tmp_path / "results.md").read_text()
