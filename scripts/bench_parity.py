@@ -14,7 +14,8 @@ or `attention: triton`, docs/model.md; CUDA only).
 
 `--pretrain` runs `pretrain` itself instead (DeepSpeed, bf16 parameters, ZeRO 2 on one process, the same data,
 seed and schedule; its spike guard off, see run_pretrain; the model's default attention, `auto`: FlexAttention on a
-GPU), once without and once with `--compile`, and tabulates
+GPU), once without and once with `--compile` (and, when named, pretrain-compile-fused: `--compile --optimizer-step
+fused`, docs/pretrain.md), and tabulates
 their metrics.jsonl losses the same way (variants pretrain, pretrain-compile; HF is not in this mode, its
 reference is the eager run).
 
@@ -57,6 +58,7 @@ VARIANTS = ("ours", "ours-compile", "hf", "hf-compile")
 OPT_IN_VARIANTS = ("ours-compile-flex", "ours-compile-triton")   # named in --variants only: `attention: flex` or
 # `triton`, compiled (CUDA: FlexAttention has no CPU backward, our Triton kernels run on CPU only interpreted)
 PRETRAIN_VARIANTS = ("pretrain", "pretrain-compile")
+PRETRAIN_OPT_IN = ("pretrain-compile-fused",)   # named in --variants only: --compile --optimizer-step fused
 
 
 def batches(dataset: ShardDataset, batch: int, seed: int, steps: int, device: str):
@@ -131,8 +133,10 @@ def run_pretrain(variant: str, seed: int, args) -> dict:
                "--schedule", "constant", "--grad-clip", str(args.clip), "--weight-decay", "0", "--seed", str(seed),
                "--precision", args.precision, "--no-save-final", "--log-every", str(args.window), "--nproc", "1",
                "--spike-sigmas", "0"]
-    if variant == "pretrain-compile":
+    if variant.startswith("pretrain-compile"):
         command.append("--compile")
+    if variant == "pretrain-compile-fused":
+        command += ["--optimizer-step", "fused"]
     print(" ".join(command), flush=True)
     start = time.perf_counter()
     subprocess.run(command, check=True, cwd=Path(__file__).resolve().parents[1])
@@ -283,10 +287,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", required=True, help="shard set written by `prep corpus`")
     parser.add_argument("--model", default="t5-v1_1-base", help="model preset (configs/models/*.yaml)")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS + OPT_IN_VARIANTS + PRETRAIN_VARIANTS,
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS + OPT_IN_VARIANTS + PRETRAIN_VARIANTS + PRETRAIN_OPT_IN,
                         metavar="VARIANT", help=f"any of {', '.join(VARIANTS)} (default all) and "
                              f"{', '.join(OPT_IN_VARIANTS)} (CUDA), or with --pretrain of "
-                             f"{', '.join(PRETRAIN_VARIANTS)} (default both)")
+                             f"{', '.join(PRETRAIN_VARIANTS)} (default both) and {', '.join(PRETRAIN_OPT_IN)}")
     parser.add_argument("--pretrain", action="store_true", help="run `pretrain` (DeepSpeed ZeRO 2) eager and --compile")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--batch", type=int, default=64)
@@ -329,7 +333,7 @@ def main() -> int:
     if per_epoch == 0:
         parser.error(f"--batch {args.batch} is larger than the shard set ({len(dataset)} examples)")
     default = PRETRAIN_VARIANTS if args.pretrain else VARIANTS
-    allowed = default if args.pretrain else default + OPT_IN_VARIANTS
+    allowed = default + (PRETRAIN_OPT_IN if args.pretrain else OPT_IN_VARIANTS)
     variants = args.variants or list(default)
     if set(variants) - set(allowed):
         parser.error(f"--variants {' '.join(variants)}: {'with' if args.pretrain else 'without'} --pretrain the "
