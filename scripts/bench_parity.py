@@ -145,9 +145,17 @@ def run_pretrain(variant: str, seed: int, args) -> dict:
             "seconds": time.perf_counter() - start}
 
 
+@functools.lru_cache(maxsize=None)
+def data_fingerprint(data: str) -> str | None:
+    """The shard set's content fingerprint (its manifest's): a set prepared again at the same path with other
+    contents does not match runs made on the old one."""
+    return json.loads((Path(data) / "manifest.json").read_text()).get("fingerprint")
+
+
 def run_settings(args, seed: int, variant: str) -> dict:
     """What a (seed, variant) run's losses depend on: a result file of other settings is not reused."""
-    return {"data": str(Path(args.data).resolve()), "model": args.model, "steps": args.steps, "batch": args.batch,
+    return {"data": str(Path(args.data).resolve()), "data_fingerprint": data_fingerprint(args.data),
+            "model": args.model, "steps": args.steps, "batch": args.batch,
             "lr": args.lr, "warmup": args.warmup, "clip": args.clip, "device": args.device,
             "precision": args.precision, "pretrain": bool(args.pretrain), "seed": seed, "variant": variant,
             **({"spike_sigmas": 0} if args.pretrain else {})}
