@@ -66,7 +66,7 @@ def test_the_fused_zero2_check_answers_as_deepspeeds(case):
 
 
 def test_a_real_bf16_zero2_run_installs_the_fused_check_and_still_skips_a_nan(tiny_shards, tmp_path):
-    """pretrain at ZeRO 2 in bf16 on CPU (one gloo rank), with the fused optimizer step: the engine notes the replaced
+    """pretrain at ZeRO 2 in bf16 on CPU (one gloo rank), with the default fused optimizer step: the engine notes the replaced
     check, a NaN forced on batch 2 (its gradients NaN too) is skipped, and training goes on with finite losses."""
     import json
 
@@ -75,7 +75,7 @@ def test_a_real_bf16_zero2_run_installs_the_fused_check_and_still_skips_a_nan(ti
 
     out = tmp_path / "z2-bf16"
     ok(pretrain(*COMMON, "--data", str(tiny_shards), "--out", str(out), "--zero", "2", "--nproc", "1",
-                "--precision", "bf16", "--debug-nan-batches", "2", "--rollback-after", "0", "--optimizer-step", "fused"))
+                "--precision", "bf16", "--debug-nan-batches", "2", "--rollback-after", "0"))
     engine = json.loads((out / "config.json").read_text())["engine"]
     assert engine == {"optimizer": "DeepSpeedZeroOptimizer", "overflow_check_fused": True, "grad_norm_fused": True,
                       "optimizer_step": "fused"}

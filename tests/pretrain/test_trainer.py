@@ -12,9 +12,10 @@ Launches (each a real `python -m pretrain.cli` run, 6 steps of 16 examples, grad
          under the profiler (--profile-steps 1)
   stack3 ZeRO 3 eager with each whole stack as the unit of gathering (--stage3-gather-unit stack), --stop-after 3
   one0 / one1 / one2 / one3  --nproc 1 --resume from the step-3 checkpoint of stop0 / stop1 / ref / stop3 (2 ranks
-         -> 1, grad accumulation 2 -> 4; ZeRO 1-3 through a universal checkpoint; one1 and one2 ask for
-         --optimizer-step fused, which one2 runs)
-  fused2 ZeRO 2, 2 ranks, --optimizer-step fused, --stop-after 3
+         -> 1, grad accumulation 2 -> 4; ZeRO 1-3 through a universal checkpoint; one2 resumes ref's fused
+         optimizer step with --optimizer-step deepspeed; one1 runs under offload, where the fused step does not apply)
+  ds2    ZeRO 2, 2 ranks, --optimizer-step deepspeed (DeepSpeed's own step, ref runs the default fused one),
+         --stop-after 3
   broken --nproc 1 --resume from a ZeRO 2 checkpoint with a corrupt partition file (its saved size kept): must fail
          with one line (tests/pretrain/test_resume_fallback.py has the truncated and fallback cases)
 plus one 2-rank gloo script (no training) that compares the partitioned build with `build` bit for bit.
@@ -255,9 +256,10 @@ def test_resume_at_another_rank_count_continues_the_data_order(runs):
     for stage in (0, 1, 3):
         runs.stopped(stage)
     sources = {0: runs.dir("stop0"), 1: runs.dir("stop1"), 2: runs.dir("ref"), 3: runs.dir("stop3")}
-    # the fused optimizer step resumes DeepSpeed's checkpoint at ZeRO 2; under offload (ZeRO 1 here) it does not apply
-    extras = {1: ("--activation-checkpointing", "--offload", "cpu", "--optimizer-step", "fused"),   # as stop1 ran
-              2: ("--optimizer-step", "fused")}
+    # DeepSpeed's optimizer step resumes the fused step's checkpoint at ZeRO 2 (ref ran the default, fused); under
+    # offload (ZeRO 1 here) the fused step does not apply
+    extras = {1: ("--activation-checkpointing", "--offload", "cpu"),   # as stop1 ran
+              2: ("--optimizer-step", "deepspeed")}
     for stage, source in sources.items():
         result, records = resume_at_one_rank(runs, stage, source, *extras.get(stage, ()))
         assert f"[resume] {tag_for(HALF)}" in result.stdout
@@ -278,7 +280,7 @@ def test_resume_at_another_rank_count_continues_the_data_order(runs):
         assert config["deepspeed"].get("checkpoint", {}).get("load_universal", False) == (stage > 0)
         if stage == 3:      # resumed on one rank without its module hooks (the test below)
             assert config["engine"]["module_hooks"] == "dropped"
-        assert config["engine"]["optimizer_step"] == ("fused" if stage == 2 else "deepspeed"), stage
+        assert config["engine"]["optimizer_step"] == "deepspeed", stage   # asked for (2), or the fused one n/a
 
 
 def test_zero3_on_one_rank_leaves_out_its_idle_module_hooks_with_the_same_losses(runs):
@@ -301,17 +303,18 @@ def test_zero3_on_one_rank_leaves_out_its_idle_module_hooks_with_the_same_losses
 
 
 def test_the_fused_optimizer_step_trains_as_deepspeeds_on_two_ranks(runs):
-    """--optimizer-step fused (pretrain/fused_step.py) at ZeRO 2 on 2 ranks, each updating its half of the
-    partitioned weights: the losses and gradient norms of DeepSpeed's own step (the reference) within fp32's
-    rounding (the same AdamW, its floating-point operations in another order). Its resume from DeepSpeed's
-    checkpoint is in the rank-count test above."""
+    """The default fused optimizer step (pretrain/fused_step.py) at ZeRO 2 on 2 ranks (ref), each rank updating its
+    half of the partitioned weights: the losses and gradient norms of DeepSpeed's own step (--optimizer-step
+    deepspeed) within fp32's rounding (the same AdamW, its floating-point operations in another order). DeepSpeed's
+    step resuming the fused one's checkpoint is in the rank-count test above."""
     ref = runs.ref()
-    runs.run("fused2", "--zero", "2", "--nproc", "2", "--stop-after", str(HALF), "--optimizer-step", "fused")
-    fused = runs.metrics("fused2")
-    assert json.loads((runs.dir("fused2") / "config.json").read_text())["engine"]["optimizer_step"] == "fused"
-    assert losses(fused) == pytest.approx(losses(ref[:HALF]), rel=2e-6)
-    assert [r["grad_norm"] for r in fused] == pytest.approx([r["grad_norm"] for r in ref[:HALF]], rel=1e-5)
-    assert [r["batch_checksum"] for r in fused] == [r["batch_checksum"] for r in ref[:HALF]]
+    assert json.loads((runs.dir("ref") / "config.json").read_text())["engine"]["optimizer_step"] == "fused"
+    runs.run("ds2", "--zero", "2", "--nproc", "2", "--stop-after", str(HALF), "--optimizer-step", "deepspeed")
+    deepspeed = runs.metrics("ds2")
+    assert json.loads((runs.dir("ds2") / "config.json").read_text())["engine"]["optimizer_step"] == "deepspeed"
+    assert losses(ref[:HALF]) == pytest.approx(losses(deepspeed), rel=2e-6)
+    assert [r["grad_norm"] for r in ref[:HALF]] == pytest.approx([r["grad_norm"] for r in deepspeed], rel=1e-5)
+    assert [r["batch_checksum"] for r in ref[:HALF]] == [r["batch_checksum"] for r in deepspeed]
 
 
 def test_a_corrupt_partition_fails_the_conversion_with_one_line(runs):
