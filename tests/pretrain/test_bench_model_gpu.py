@@ -49,6 +49,7 @@ def test_cpu_smoke_run_reports_each_batch_with_its_spread(tmp_path):
     assert "At each variant's fastest fitting batch" in table and "ms/step (min-max)" in table
 
 
+@pytest.mark.slow   # a benchmark tool's bookkeeping: ./scripts/test.sh -m slow
 def test_an_interrupted_run_still_writes_the_tables_of_what_it_measured(tmp_path):
     """SIGINT after the first measurement (a device call's time limit): exit 130, the tables of the rows finished."""
     # batch 64 takes ~30x batch 2's time per step: 200 of them cannot finish before the signal, on any machine

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_parity.py"
 
 
@@ -44,6 +46,7 @@ def test_runs_are_kept_reused_and_reported(tiny_shards, tmp_path):
     assert "Traceback" not in other.stderr
 
 
+@pytest.mark.slow   # a benchmark tool's bookkeeping: ./scripts/test.sh -m slow
 def test_pretrain_mode_replaces_an_unfinished_run_and_turns_the_spike_guard_off(tiny_shards, tmp_path):
     """--pretrain runs `pretrain` itself: what an earlier, cut attempt left in the run's directory is removed (pretrain
     refuses a used --out, which once stopped the GPU benchmark's retry), and every run has the spike guard off, so

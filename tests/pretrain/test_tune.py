@@ -135,6 +135,7 @@ def test_user_mistakes_are_one_line(tiny_shards, tmp_path):
     assert no_batch.returncode == 2 and "--global-batch is required" in no_batch.stderr
 
 
+@pytest.mark.slow   # a benchmark tool's bookkeeping: ./scripts/test.sh -m slow
 def test_compare_grid_judges_the_best_found_against_a_full_grid_of_the_same_space(tiny_shards, tmp_path):
     """A study grid file is a tune space as is; --compare-grid reads the grid's measurements and says how far the
     tune's best is from the grid's best (by the grid's own figure for it) and what share of the grid's time the
