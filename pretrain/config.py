@@ -26,7 +26,7 @@ LOADERS = ("shards", "online", "remote")   # pretrain.data: mmap'd shard set, te
 CPU_AFFINITIES = ("none", "split")
 GATHER_UNITS = ("block", "stack")     # ZeRO 3's unit of gathering; pretrain.model.zero3 maps each to a module
 MODULE_HOOKS = ("auto", "keep")       # ZeRO 3's module hooks: pretrain.model.zero3.drop_idle_module_hooks
-OPTIMIZER_STEPS = ("deepspeed", "fused")   # ZeRO 1-2's optimizer step: pretrain.fused_step.fuse_optimizer_step
+OPTIMIZER_STEPS = ("deepspeed", "fused", "triton")   # ZeRO 1-2's optimizer step: pretrain.fused_step
 STAGE3_TUNABLES = ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
                    "stage3_max_live_parameters", "stage3_max_reuse_distance")
 
@@ -112,8 +112,10 @@ class TrainConfig:
     optimizer_step: str = setting("fused", "ZeRO 1-2 without offload: fused (the default) concatenates the "
                                            "gradients into fp32 in one pass and runs torch's fused AdamW with the "
                                            "clipping factor inside (pretrain/fused_step.py; mt5-xl's ZeRO 2 step "
-                                           "1.3-1.9% faster on an H200, the same losses); deepspeed runs DeepSpeed's "
-                                           "step as it is; elsewhere DeepSpeed's",
+                                           "1.3-1.9% faster on an H200, the same losses); triton (opt-in, not yet "
+                                           "measured in a step) runs its AdamW in one Triton kernel that reads the "
+                                           "bf16 gradients where ZeRO keeps them (pretrain/one_pass_adamw.py); "
+                                           "deepspeed runs DeepSpeed's step as it is; elsewhere DeepSpeed's",
                                   choices=OPTIMIZER_STEPS)
     stage3_module_hooks: str = setting("auto", "ZeRO-3: DeepSpeed's per-module fetch/release hooks; auto leaves them "
                                                "out where they have nothing to do (one rank, every weight resident, "

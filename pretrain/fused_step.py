@@ -20,6 +20,8 @@ checkpoints are the same files and either step resumes the other's.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 CHUNK = 1 << 30           # elements per tensor handed to the fused kernel (mt5-xl's partition is 3.7 B)
@@ -58,15 +60,27 @@ def _supported(zero) -> str | None:
     return kind
 
 
-def fuse_optimizer_step(zero) -> bool:
-    """Install the fused step on DeepSpeed's ZeRO 1-2 optimizer `zero` where it applies; whether it did."""
-    kind = _supported(zero)
+def _one_pass_runs_here(zero) -> bool:
+    """The one-pass kernel is Triton's: on CUDA, or on the CPU in Triton's interpreter (the tests)."""
+    return torch.device(zero.device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fuse_optimizer_step(zero, mode: str = "fused") -> str:
+    """Install the fused step (`mode` "fused"), or the fused step with its AdamW in one pass over the gradients
+    where ZeRO keeps them ("triton", pretrain/one_pass_adamw.py), on DeepSpeed's ZeRO 1-2 optimizer `zero` where it
+    applies; the step that runs: "triton", "fused" (also for "triton" where Triton cannot run) or "deepspeed"."""
+    kind = _supported(zero) if mode in ("fused", "triton") else None
     if kind is None:
-        return False
+        return "deepspeed"
+    one_pass = mode == "triton" and _one_pass_runs_here(zero)
+    if one_pass:
+        from pretrain.one_pass_adamw import adamw_one_pass
     inner = zero.optimizer
     original_aligned, original_flatten = zero.flatten_dense_tensors_aligned, zero.flatten
     scales: dict[int, torch.Tensor | None] = {}        # id(fp32 gradient) -> the factor to divide it by
     device_steps: dict[int, tuple[int, torch.Tensor]] = {}
+    captured: dict[int, list[torch.Tensor]] = {}       # one pass: id(placeholder gradient) -> the gradients it stands for
+    tables: dict[int, dict] = {}                       # one pass: id(fp32 partition) -> its table of rows
 
     def step_gradients(tensors) -> bool:
         return any(tensors is grads for grads in zero.averaged_gradients.values())
@@ -81,13 +95,26 @@ def fuse_optimizer_step(zero) -> bool:
         flat[count:].zero_()
         return flat
 
+    def placeholder(tensors, alignment: int | None) -> torch.Tensor:
+        """One pass: an fp32 tensor of the partition's size that holds no memory (one element, expanded), what
+        DeepSpeed's step assigns as the fp32 partition's gradient; the kernel reads `tensors` themselves."""
+        count = sum(t.numel() for t in tensors)
+        padded = count if not alignment or count % alignment == 0 else count + alignment - count % alignment
+        stand_in = torch.zeros((), dtype=torch.float32, device=tensors[0].device).expand(padded)
+        if tensors is zero.averaged_gradients.get(0):   # a new step: what a skipped one left (the guard's verdict
+            captured.clear()                            # skips the inner step) must not hold its gradients on
+        captured[id(stand_in)] = list(tensors)
+        return stand_in
+
+    gradient_of = placeholder if one_pass else to_fp32
+
     def flatten_dense_tensors_aligned(tensor_list, alignment, use_cpu_data=False, param_padding=None):
         if use_cpu_data or param_padding is not None or not step_gradients(tensor_list):
             return original_aligned(tensor_list, alignment, use_cpu_data=use_cpu_data, param_padding=param_padding)
-        return to_fp32(tensor_list, alignment)
+        return gradient_of(tensor_list, alignment)
 
     def flatten(tensors):
-        return to_fp32(tensors, None) if step_gradients(tensors) else original_flatten(tensors)
+        return gradient_of(tensors, None) if step_gradients(tensors) else original_flatten(tensors)
 
     def unscale_and_clip_grads(grad_groups_flat, total_norm):
         """Record the factor DeepSpeed would divide by (loss scale times the clipping ratio); apply nothing."""
@@ -141,16 +168,24 @@ def fuse_optimizer_step(zero) -> bool:
                     state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 step = step_tensor(state, param)
                 factor = scales.pop(id(param.grad), None)
+                gradients = captured.pop(id(param.grad), None)
+                if gradients is not None:          # one pass over the gradients where ZeRO keeps them
+                    adamw_one_pass(gradients, param.view(-1), state["exp_avg"].view(-1),
+                                   state["exp_avg_sq"].view(-1), step, factor, lr=group["lr"], betas=(beta1, beta2),
+                                   eps=group["eps"], weight_decay=group["weight_decay"],
+                                   cache=tables.setdefault(id(param), {}))
+                    continue
                 pieces = [t.view(-1).split(CHUNK) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])]
                 torch._fused_adamw_(list(pieces[0]), list(pieces[1]), list(pieces[2]), list(pieces[3]), [],
                                     [step] * len(pieces[0]), amsgrad=False, lr=float(group["lr"]), beta1=beta1,
                                     beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
                                     maximize=False, grad_scale=factor, found_inf=None)
         scales.clear()
+        captured.clear()
         return loss
 
     zero.flatten_dense_tensors_aligned = flatten_dense_tensors_aligned
     zero.flatten = flatten
     zero.unscale_and_clip_grads = unscale_and_clip_grads
     inner.step = fused_inner_step
-    return True
+    return "triton" if one_pass else "fused"

@@ -216,8 +216,7 @@ class Trainer:
         self.engine_note = {"optimizer": type(self.optimizer).__name__,
                             "overflow_check_fused": fuse_overflow_check(self.optimizer),
                             "grad_norm_fused": fuse_grad_norm(self.optimizer),
-                            "optimizer_step": ("fused" if config.optimizer_step == "fused"
-                                               and fuse_optimizer_step(self.optimizer) else "deepspeed")}
+                            "optimizer_step": fuse_optimizer_step(self.optimizer, config.optimizer_step)}
         if config.zero == 3:
             from pretrain.model.zero3 import drop_idle_module_hooks
             self.engine_note["module_hooks"] = ("dropped" if config.stage3_module_hooks == "auto"

@@ -59,10 +59,43 @@ def timed(fn, repeats: int, device: str) -> list[float]:
     return times
 
 
+def check_agreement(model: str, device: str) -> str:
+    """Three AdamW steps of `model`'s partition by the fused step's path (cat to fp32, torch's fused AdamW with
+    grad_scale) and by the one-pass kernel from the same state: the largest differences of weights and moments."""
+    from pretrain.one_pass_adamw import adamw_one_pass
+    shapes = parameter_shapes(model)
+    count = sum(s.numel() for s in shapes)
+    generator = torch.Generator(device=device).manual_seed(1)
+    buffer = torch.empty(count, dtype=torch.bfloat16, device=device).normal_(generator=generator)
+    grads, offset = [], count
+    for shape in shapes:
+        offset -= shape.numel()
+        grads.append(buffer[offset:offset + shape.numel()].view(shape))
+    start = torch.empty(count, dtype=torch.float32, device=device).normal_(generator=generator)
+    states = [[start.clone(), torch.zeros_like(start), torch.zeros_like(start)] for _ in range(2)]
+    factor = torch.full((), 2.5, dtype=torch.float32, device=device)
+    cache: dict = {}
+    for number in range(1, 4):
+        step = torch.full((), float(number), dtype=torch.float32, device=device)
+        flat = torch.cat([g.reshape(-1) for g in grads]).float()
+        p, m, v = states[0]
+        torch._fused_adamw_([p], [flat], [m], [v], [], [step], amsgrad=False, lr=1e-3, beta1=0.9, beta2=0.999,
+                            weight_decay=0.01, eps=1e-8, maximize=False, grad_scale=factor, found_inf=None)
+        adamw_one_pass(grads, *states[1], step, factor, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                       cache=cache)
+    diffs = [float((a - b).abs().max()) for a, b in zip(*states)]
+    scale = float(states[0][0].abs().max())
+    return (f"agreement ({model}, {count / 1e6:.0f} M parameters, 3 steps, from the same state): max |difference| "
+            f"of the one-pass kernel to torch's fused AdamW: weights {diffs[0]:.2e} (of max |weight| {scale:.2f}), "
+            f"first moment {diffs[1]:.2e}, second {diffs[2]:.2e}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="mt5-xl", help="model preset whose parameter shapes make the partition")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--check-model", default="t5-tiny",
+                        help="the preset whose partition checks the one-pass kernel against torch's fused AdamW")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_optimizer_out"))
     args = parser.parse_args()
@@ -70,6 +103,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    agreement = check_agreement(args.check_model, device)
+    print(agreement, flush=True)
     shapes = parameter_shapes(args.model)
     count = sum(s.numel() for s in shapes)
     print(f"{args.model}: {len(shapes)} tensors, {count / 1e9:.3f} B parameters, on {device}", flush=True)
@@ -103,6 +138,13 @@ def main() -> int:
     def to_fp32():
         flat16["g32"] = flat16["g"].to(torch.float32)
 
+    from pretrain.one_pass_adamw import adamw_one_pass
+    cache: dict = {}
+
+    def one_pass():
+        adamw_one_pass(grads, master, exp_avg, exp_avg_sq, step, factor, lr=1e-4, betas=(0.9, 0.999), eps=1e-8,
+                       weight_decay=0.0, cache=cache)
+
     passes = [
         # name, function, bytes moved per parameter
         ("overflow check (max-abs by torch._foreach_norm, as pretrain.trainer)",
@@ -115,6 +157,7 @@ def main() -> int:
         ("copy of the fp32 weights back to bf16", lambda: weights.copy_(master), 6),
         ("fused step: cat(out=fp32) of the bf16 gradients", lambda: torch.cat([g.reshape(-1) for g in grads], out=grad32), 6),
         ("fused step: fused AdamW with grad_scale", lambda: adamw(grad32, factor), 28),
+        ("one pass: AdamW reading the bf16 gradients in place (pretrain/one_pass_adamw.py)", one_pass, 26),
         ("reference: fp32 copy of the partition", lambda: grad32.copy_(master), 8),
     ]
     rows = []
@@ -129,6 +172,7 @@ def main() -> int:
     by = {r["pass"]: r for r in rows}
     deepspeed_ms = sum(r["ms"] for r in rows if r["pass"].startswith("DeepSpeed")) + by["copy of the fp32 weights back to bf16"]["ms"]
     fused_ms = sum(r["ms"] for r in rows if r["pass"].startswith("fused step")) + by["copy of the fp32 weights back to bf16"]["ms"]
+    one_pass_step_ms = by[passes[-2][0]]["ms"] + by["copy of the fp32 weights back to bf16"]["ms"]
     rate = by[passes[-1][0]]["gb_per_s"]
     one_pass_ms = 28 * count / (rate * 1e9) * 1e3
     lines = ["| pass | ms median (min-max) | bytes / parameter | GB/s |", "|---|---|---:|---:|"]
@@ -138,10 +182,12 @@ def main() -> int:
                f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}; "
                f"{args.repeats} timed calls per pass after one warm-up\n\n" + "\n".join(lines) +
                f"\n\nDeepSpeed's passes (flatten, to fp32, scale, AdamW, copy back): {deepspeed_ms:.1f} ms; the fused "
-               f"step's (cat to fp32, AdamW with grad_scale, copy back): {fused_ms:.1f} ms; one pass of 28 bytes a "
-               f"parameter at the copy's {rate:,.0f} GB/s: {one_pass_ms:.1f} ms.")
+               f"step's (cat to fp32, AdamW with grad_scale, copy back): {fused_ms:.1f} ms; the one-pass kernel's and the "
+               f"copy back: {one_pass_step_ms:.1f} ms; one pass of 28 bytes a parameter (the bf16 weights written "
+               f"too) at the copy's {rate:,.0f} GB/s: {one_pass_ms:.1f} ms.\n\n{agreement}")
     (out / "results.json").write_text(json.dumps({"model": args.model, "parameters": count, "rows": rows,
                                                   "deepspeed_ms": deepspeed_ms, "fused_ms": fused_ms,
+                                                  "one_pass_step_ms": one_pass_step_ms, "agreement": agreement,
                                                   "one_pass_ms": one_pass_ms}, indent=2))
     (out / "results.md").write_text(summary + "\n")
     print("\n" + summary, flush=True)

@@ -65,9 +65,11 @@ def test_the_fused_zero2_check_answers_as_deepspeeds(case):
     assert fused.shape == (1,) and bool(fused) == serial == (case in ("inf", "-inf", "nan"))
 
 
-def test_a_real_bf16_zero2_run_installs_the_fused_check_and_still_skips_a_nan(tiny_shards, tmp_path):
-    """pretrain at ZeRO 2 in bf16 on CPU (one gloo rank), with the default fused optimizer step: the engine notes the replaced
-    check, a NaN forced on batch 2 (its gradients NaN too) is skipped, and training goes on with finite losses."""
+@pytest.mark.parametrize("step", ["fused", "triton"])
+def test_a_real_bf16_zero2_run_installs_the_fused_check_and_still_skips_a_nan(tiny_shards, tmp_path, step):
+    """pretrain at ZeRO 2 in bf16 on CPU (one gloo rank), with the default fused optimizer step and with the one-pass
+    one (in Triton's interpreter): the engine notes the replaced check, a NaN forced on batch 2 (its gradients NaN
+    too) is skipped, and training goes on with finite losses."""
     import json
 
     from pretrain.metrics import read_metrics
@@ -75,10 +77,10 @@ def test_a_real_bf16_zero2_run_installs_the_fused_check_and_still_skips_a_nan(ti
 
     out = tmp_path / "z2-bf16"
     ok(pretrain(*COMMON, "--data", str(tiny_shards), "--out", str(out), "--zero", "2", "--nproc", "1",
-                "--precision", "bf16", "--debug-nan-batches", "2", "--rollback-after", "0"))
+                "--precision", "bf16", "--debug-nan-batches", "2", "--rollback-after", "0", "--optimizer-step", step))
     engine = json.loads((out / "config.json").read_text())["engine"]
     assert engine == {"optimizer": "DeepSpeedZeroOptimizer", "overflow_check_fused": True, "grad_norm_fused": True,
-                      "optimizer_step": "fused"}
+                      "optimizer_step": step}
     records = read_metrics(out / "metrics.jsonl")
     assert records[1]["skipped"] == "nonfinite_loss"
     assert all(r["skipped"] is None and r["loss"] is not None for r in records[2:])

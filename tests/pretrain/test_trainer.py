@@ -16,6 +16,7 @@ Launches (each a real `python -m pretrain.cli` run, 6 steps of 16 examples, grad
          optimizer step with --optimizer-step deepspeed; one1 runs under offload, where the fused step does not apply)
   ds2    ZeRO 2, 2 ranks, --optimizer-step deepspeed (DeepSpeed's own step, ref runs the default fused one),
          --stop-after 3
+  tri2   ZeRO 2, 2 ranks, --optimizer-step triton (the one-pass AdamW kernel, in Triton's interpreter), --stop-after 3
   broken --nproc 1 --resume from a ZeRO 2 checkpoint with a corrupt partition file (its saved size kept): must fail
          with one line (tests/pretrain/test_resume_fallback.py has the truncated and fallback cases)
 plus one 2-rank gloo script (no training) that compares the partitioned build with `build` bit for bit.
@@ -315,6 +316,18 @@ def test_the_fused_optimizer_step_trains_as_deepspeeds_on_two_ranks(runs):
     assert losses(ref[:HALF]) == pytest.approx(losses(deepspeed), rel=2e-6)
     assert [r["grad_norm"] for r in ref[:HALF]] == pytest.approx([r["grad_norm"] for r in deepspeed], rel=1e-5)
     assert [r["batch_checksum"] for r in ref[:HALF]] == [r["batch_checksum"] for r in deepspeed]
+
+
+def test_the_one_pass_optimizer_step_trains_as_deepspeeds_on_two_ranks(runs):
+    """--optimizer-step triton (pretrain/one_pass_adamw.py: AdamW reading each rank's gradients
+    where ZeRO 2 keeps them, in Triton's interpreter on the CPU) on 2 ranks: the losses and gradient norms of the
+    default fused step (ref) within fp32's rounding."""
+    ref = runs.ref()
+    runs.run("tri2", "--zero", "2", "--nproc", "2", "--stop-after", str(HALF), "--optimizer-step", "triton")
+    one_pass = runs.metrics("tri2")
+    assert json.loads((runs.dir("tri2") / "config.json").read_text())["engine"]["optimizer_step"] == "triton"
+    assert losses(one_pass) == pytest.approx(losses(ref[:HALF]), rel=2e-6)
+    assert [r["grad_norm"] for r in one_pass] == pytest.approx([r["grad_norm"] for r in ref[:HALF]], rel=1e-5)
 
 
 def test_a_corrupt_partition_fails_the_conversion_with_one_line(runs):
