@@ -21,6 +21,7 @@ def bench(shards: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow   # ./scripts/test.sh -m slow (the default suite stays under CI's 20 minutes)
 def test_runs_are_kept_reused_and_reported(tiny_shards, tmp_path):
     out = tmp_path / "parity"
     first = bench(tiny_shards, out)

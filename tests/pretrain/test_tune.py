@@ -94,6 +94,7 @@ def test_ranking_early_stop_and_best_yaml_runs_as_is(tiny_shards, tmp_path):
     assert json.loads((out / "best-run" / "summary.json").read_text())["status"] == "ok"
 
 
+@pytest.mark.slow   # ./scripts/test.sh -m slow (the default suite stays under CI's 20 minutes)
 def test_a_killed_tune_rerun_finishes_without_redoing_launches(tiny_shards, tmp_path):
     out = tmp_path / "tune"
     command = [sys.executable, "-m", "pretrain.study.cli", "tune", *SMALL_SPACE, "--data", str(tiny_shards),
