@@ -195,6 +195,7 @@ def test_sweep_records_failures_goes_on_and_skips_finished_points(tiny_shards, t
     assert len(state["commands"]) == 1 and len(json.loads((out / results.STUDY_FILE).read_text())["commands"]) == 3
 
 
+@pytest.mark.slow   # ./scripts/test.sh -m slow (the default suite stays under CI's 20 minutes)
 def test_a_point_past_its_timeout_is_stopped_and_recorded(tiny_shards, tmp_path):
     # 4000 steps cannot finish in 15 s; by then pretrain has spawned its 2 ranks (in sessions of their own).
     grid_path = write_grid(tmp_path / "grid.yaml", base={"timeout_s": 15, "steps": 4000})

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from pretrain import ranks
@@ -50,6 +51,7 @@ def test_a_start_up_ahead_of_its_gate_builds_on_a_share_of_the_cores(tmp_path, m
         assert threads is None
 
 
+@pytest.mark.slow   # ./scripts/test.sh -m slow (the default suite stays under CI's 20 minutes)
 def test_points_start_up_ahead_but_never_train_together(tiny_shards, tmp_path):
     grid = {"name": "overlap", "base": {"steps": 3, "skip_steps": 1, "global_batch": 4, "timeout_s": 240,
                                         "overlap_startup": True},

@@ -284,6 +284,7 @@ def test_resume_at_another_rank_count_continues_the_data_order(runs):
         assert config["engine"]["optimizer_step"] == "deepspeed", stage   # asked for (2), or the fused one n/a
 
 
+@pytest.mark.slow   # ./scripts/test.sh -m slow (the default suite stays under CI's 20 minutes)
 def test_zero3_on_one_rank_leaves_out_its_idle_module_hooks_with_the_same_losses(runs):
     """One rank, every weight resident: ZeRO 3's module hooks have nothing to fetch or release and are left out
     (`drop_idle_module_hooks`); compiled blocks, the same losses to the last bit as with them (`keep`), and those

@@ -118,6 +118,7 @@ def test_a_killed_tune_rerun_finishes_without_redoing_launches(tiny_shards, tmp_
     assert any("early stop" in stop or "every candidate" in stop for stop in state["stops"])
 
 
+@pytest.mark.slow   # ./scripts/test.sh -m slow (the default suite stays under CI's 20 minutes)
 def test_a_budget_that_runs_out_stops_with_that_reason(tiny_shards, tmp_path):
     out = tmp_path / "tune"
     result = tune(*SMALL_SPACE, "--data", str(tiny_shards), "--out", str(out), "--budget-s", "1")
