@@ -85,11 +85,15 @@ def fuse_optimizer_step(zero, mode: str = "fused") -> str:
     def step_gradients(tensors) -> bool:
         return any(tensors is grads for grads in zero.averaged_gradients.values())
 
+    def sizes(tensors, alignment: int | None) -> tuple[int, int]:
+        """The gradients' element count and the partition's: that count padded to a multiple of `alignment`."""
+        count = sum(t.numel() for t in tensors)
+        return count, (count if not alignment or count % alignment == 0 else count + alignment - count % alignment)
+
     def to_fp32(tensors, alignment: int | None) -> torch.Tensor:
         """The step's gradient list concatenated into an fp32 tensor (zero padded to `alignment`) in one pass: the
         `.to(fp32)` DeepSpeed's step applies next is then a no-op."""
-        count = sum(t.numel() for t in tensors)
-        padded = count if not alignment or count % alignment == 0 else count + alignment - count % alignment
+        count, padded = sizes(tensors, alignment)
         flat = torch.empty(padded, dtype=torch.float32, device=tensors[0].device)
         torch.cat([t.reshape(-1) for t in tensors], out=flat[:count])
         flat[count:].zero_()
@@ -98,8 +102,7 @@ def fuse_optimizer_step(zero, mode: str = "fused") -> str:
     def placeholder(tensors, alignment: int | None) -> torch.Tensor:
         """One pass: an fp32 tensor of the partition's size that holds no memory (one element, expanded), what
         DeepSpeed's step assigns as the fp32 partition's gradient; the kernel reads `tensors` themselves."""
-        count = sum(t.numel() for t in tensors)
-        padded = count if not alignment or count % alignment == 0 else count + alignment - count % alignment
+        _, padded = sizes(tensors, alignment)
         stand_in = torch.zeros((), dtype=torch.float32, device=tensors[0].device).expand(padded)
         if tensors is zero.averaged_gradients.get(0):   # a new step: what a skipped one left (the guard's verdict
             captured.clear()                            # skips the inner step) must not hold its gradients on

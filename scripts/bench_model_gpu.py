@@ -224,11 +224,8 @@ def measure_rounds(preset, ours_cpu, largest, args, ceiling, peak, rows: list[di
             try:
                 started[variant] = start_variant(variant, ours_cpu, batch, args)
                 medians[variant] = []
-            except torch.OutOfMemoryError as err:
-                errors[variant] = (f"out of memory beside the other variants' models (--rounds keeps them all): "
-                                   f"{str(err).splitlines()[0]}")
             except Exception as err:
-                errors[variant] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                errors[variant] = failure(err, "beside the other variants' models (--rounds keeps them all)")
         for round_ in range(args.rounds):
             for variant, held in started.items():
                 times, last[variant] = time_steps(held["step"], args)
@@ -256,6 +253,13 @@ def measure_rounds(preset, ours_cpu, largest, args, ceiling, peak, rows: list[di
             torch.cuda.empty_cache()
 
 
+def failure(err: Exception, where: str = "") -> str:
+    """A measurement's error as its row says it: out of memory (and `where`), or the exception's first line."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return f"out of memory{' ' + where if where else ''}: {str(err).splitlines()[0]}"
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+
+
 def measure(variant, ours_cpu, largest, size, args, ceiling, peak) -> dict:
     """`bench_variant` on the first `size` examples of `largest`; a failure (out of memory, or any other) as the
     row's error, so that the other variants' numbers are kept."""
@@ -263,10 +267,8 @@ def measure(variant, ours_cpu, largest, size, args, ceiling, peak) -> dict:
     flops = train_step_flops(ours_cpu.config, size, args.input_length, args.target_length)
     try:
         return bench_variant(variant, ours_cpu, batch, args, flops, ceiling, peak)
-    except torch.OutOfMemoryError as err:
-        return {"variant": variant, "batch": size, "error": f"out of memory: {str(err).splitlines()[0]}"}
     except Exception as err:
-        return {"variant": variant, "batch": size, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+        return {"variant": variant, "batch": size, "error": failure(err)}
     finally:
         if args.device == "cuda":
             torch.cuda.empty_cache()

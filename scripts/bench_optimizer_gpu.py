@@ -40,6 +40,18 @@ def parameter_shapes(model: str) -> list[torch.Size]:
         return [p.shape for p in T5Model(resolve_config(model)).parameters()]
 
 
+def reversed_gradients(shapes, device: str, generator: torch.Generator) -> list[torch.Tensor]:
+    """Random bf16 gradients of `shapes`, in parameter order, as views of one buffer that holds them in reverse
+    order (ZeRO 2 copies each gradient into its buffer as the backward produces it, so about in reverse)."""
+    count = sum(s.numel() for s in shapes)
+    buffer = torch.empty(count, dtype=torch.bfloat16, device=device).normal_(generator=generator)
+    grads, offset = [], count
+    for shape in shapes:
+        offset -= shape.numel()
+        grads.append(buffer[offset:offset + shape.numel()].view(shape))
+    return grads
+
+
 def timed(fn, repeats: int, device: str) -> list[float]:
     """Milliseconds of `fn` per call, each call timed alone (CUDA events on a GPU), after one warm-up call."""
     fn()
@@ -66,11 +78,7 @@ def check_agreement(model: str, device: str) -> str:
     shapes = parameter_shapes(model)
     count = sum(s.numel() for s in shapes)
     generator = torch.Generator(device=device).manual_seed(1)
-    buffer = torch.empty(count, dtype=torch.bfloat16, device=device).normal_(generator=generator)
-    grads, offset = [], count
-    for shape in shapes:
-        offset -= shape.numel()
-        grads.append(buffer[offset:offset + shape.numel()].view(shape))
+    grads = reversed_gradients(shapes, device, generator)
     start = torch.empty(count, dtype=torch.float32, device=device).normal_(generator=generator)
     states = [[start.clone(), torch.zeros_like(start), torch.zeros_like(start)] for _ in range(2)]
     factor = torch.full((), 2.5, dtype=torch.float32, device=device)
@@ -109,12 +117,8 @@ def main() -> int:
     count = sum(s.numel() for s in shapes)
     print(f"{args.model}: {len(shapes)} tensors, {count / 1e9:.3f} B parameters, on {device}", flush=True)
     generator = torch.Generator(device=device).manual_seed(0)
-    grad_buffer = torch.empty(count, dtype=torch.bfloat16, device=device)
-    grad_buffer.normal_(generator=generator).mul_(1e-3)
-    grads, offset = [], count
-    for shape in shapes:                 # reverse order in the buffer, parameter order in the list
-        offset -= shape.numel()
-        grads.append(grad_buffer[offset:offset + shape.numel()].view(shape))
+    grads = reversed_gradients(shapes, device, generator)
+    torch._foreach_mul_(grads, 1e-3)
     master = torch.empty(count, dtype=torch.float32, device=device).normal_(generator=generator)
     exp_avg = torch.zeros_like(master)
     exp_avg_sq = torch.zeros_like(master)
