@@ -11,7 +11,8 @@ position bias in fp32 with its gradient. Variants: `triton` (pretrain/model/rela
 `FlexBias`, as `attention: flex` runs it, compiled), `flex-nograd`, `sdpa-nobias`. Each is timed by
 `triton.testing.do_bench` (median of its repeats) three times: median (min-max) of the three. TFLOP/s counts the
 matmuls of forward (4 B H L^2 D) and backward (2.5x forward), causal masking not subtracted. Before timing, each
-variant's output and gradients are compared with `triton`'s (relative norm of the difference).
+variant's output and gradients are compared with `triton`'s and with the same attention computed in float64 from
+the same inputs (relative norm of the difference): the second says which variant rounds more in bf16.
 
 `--sweep` first times our kernels under a few block shapes and launch settings on the first model's encoder shape,
 prints each, and keeps the fastest of each kernel for the rest of the run (the defaults in relative_attention.py
@@ -90,6 +91,30 @@ def runner(variant: str, config, stack, qkv, length: int, decoder: bool):
     return sdpa, None
 
 
+def exact_outputs(config, stack, qkv, dout, length: int, decoder: bool):
+    """(out, d qkv, d bias per offset) of the same attention in float64 from the same bf16 inputs and bias."""
+    heads, d_kv = config.num_heads, config.d_kv
+    leaf = qkv.detach().double().requires_grad_()
+    bias = stack.relative_attention_bias(length, length)[0].detach().double().requires_grad_()
+    q, k, v = leaf.view(leaf.shape[0], length, 3, heads, d_kv).permute(2, 0, 3, 1, 4).unbind(0)
+    scores = q @ k.transpose(-1, -2) + bias
+    if decoder:
+        future = torch.ones(length, length, dtype=torch.bool, device=qkv.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(leaf.shape[0], length, heads * d_kv)
+    out.backward(dout.double())
+    return out.detach(), leaf.grad, per_offset(bias.grad, length)
+
+
+def per_offset(dense: torch.Tensor, length: int) -> torch.Tensor:
+    """A dense [H, P, P] bias gradient summed along its diagonals (over the true length): [H, 2L - 1]."""
+    i = torch.arange(length, device=dense.device)[:, None]
+    j = torch.arange(length, device=dense.device)[None, :]
+    index = (j - i + length - 1).expand(length, length).reshape(-1)
+    summed = torch.zeros(dense.shape[0], 2 * length - 1, device=dense.device, dtype=dense.dtype)
+    return summed.index_add_(1, index, dense[:, :length, :length].reshape(dense.shape[0], -1))
+
+
 def timed(fn, repeats: int = 3) -> list[float]:
     """ms of fn: the median of do_bench's runs, `repeats` times."""
     from triton.testing import do_bench
@@ -106,21 +131,16 @@ def forward_backward(fn, qkv, dout, bias):
 
 
 def outputs(fn, qkv, dout, bias):
-    """(out, d qkv, d bias per key - query offset [H, 2L - 1]) in fp32; d bias None where the bias has no
+    """(out, d qkv, d bias per key - query offset [H, 2L - 1]) in float64; d bias None where the bias has no
     gradient. FlexAttention's dense [H, P, P] bias gradient is summed along its diagonals (over the true length)."""
     forward_backward(fn, qkv, dout, bias)()
-    out = fn().detach().float()
+    out = fn().detach().double()
     dbias = None
     if bias is not None and bias.grad is not None:
-        dbias = bias.grad.float()
+        dbias = bias.grad.double()
         if dbias.dim() == 3:
-            length = qkv.shape[1]
-            i = torch.arange(length, device=dbias.device)[:, None]
-            j = torch.arange(length, device=dbias.device)[None, :]
-            per_offset = torch.zeros(dbias.shape[0], 2 * length - 1, device=dbias.device)
-            index = (j - i + length - 1).expand(length, length).reshape(-1)
-            dbias = per_offset.index_add_(1, index, dbias[:, :length, :length].reshape(dbias.shape[0], -1))
-    return out, qkv.grad.float(), dbias
+            dbias = per_offset(dbias, qkv.shape[1])
+    return out, qkv.grad.double(), dbias
 
 
 def relative(a, b) -> float:
@@ -180,6 +200,7 @@ def main() -> int:
             config, stack, qkv, dout, length = make_case(preset, batch, decoder)
             qkv.requires_grad_()
             flops = 4 * batch * config.num_heads * length * length * config.d_kv
+            exact = exact_outputs(config, stack, qkv, dout, length, decoder)
             reference = None
             for variant in args.variants:
                 fn, bias = runner(variant, config, stack, qkv, length, decoder)
@@ -192,6 +213,9 @@ def main() -> int:
                     row["error_vs_triton"] = {name: relative(a, b) for name, a, b in
                                               zip(("out", "dqkv", "dbias"), got, reference)
                                               if a is not None and b is not None}
+                    row["error_vs_exact"] = {name: relative(a, b) for name, a, b in
+                                             zip(("out", "dqkv", "dbias"), got, exact)
+                                             if a is not None and b is not None}
                     forward = timed(lambda: fn())
                     both = timed(forward_backward(fn, qkv, dout, bias))
                 except Exception as err:
@@ -211,23 +235,25 @@ def main() -> int:
     def spread(values):
         return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
     lines = [f"{result['device']}, torch {result['torch']}, triton {result['triton']}; bf16, bias fp32; ms: median "
-             f"(min-max) of 3 do_bench medians; x flex: forward + backward against flex's",
+             f"(min-max) of 3 do_bench medians; x flex: forward + backward against flex's; errors: relative norm "
+             f"of the difference (out, dqkv, dbias)",
              "", "| model | batch | attention | variant | forward ms | TFLOP/s | fwd+bwd ms | TFLOP/s | x flex | "
-                 "rel. error vs triton (out, dqkv, dbias) |", "|---|---:|---|---|---|---:|---|---:|---:|---|"]
+                 "error vs triton | error vs float64 |", "|---|---:|---|---|---|---:|---|---:|---:|---|---|"]
     for row in result["rows"]:
         if "error" in row:
             lines.append(f"| {row['model']} | {row['batch']} | {row['attention']} | {row['variant']} | "
-                         f"{row['error']} ||||||")
+                         f"{row['error']} |||||||")
             continue
         flex = next((r for r in result["rows"] if r["variant"] == "flex" and "error" not in r and
                      (r["model"], r["attention"]) == (row["model"], row["attention"])), None)
         ratio = (statistics.median(flex["forward_backward_ms"]) / statistics.median(row["forward_backward_ms"])
                  if flex else float("nan"))
         errors = ", ".join(f"{v:.1e}" for v in row["error_vs_triton"].values())
+        exact = ", ".join(f"{v:.1e}" for v in row["error_vs_exact"].values())
         lines.append(f"| {row['model']} | {row['batch']} | {row['attention']} | {row['variant']} | "
                      f"{spread(row['forward_ms'])} | {row['forward_tflops']:.0f} | "
                      f"{spread(row['forward_backward_ms'])} | {row['forward_backward_tflops']:.0f} | {ratio:.2f} | "
-                     f"{errors} |")
+                     f"{errors} | {exact} |")
     table = "\n".join(lines)
     (out_dir / "results.md").write_text(table + "\n")
     print("\n" + table, flush=True)
