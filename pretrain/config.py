@@ -26,7 +26,7 @@ LOADERS = ("shards", "online", "remote")   # pretrain.data: mmap'd shard set, te
 CPU_AFFINITIES = ("none", "split")
 GATHER_UNITS = ("block", "stack")     # ZeRO 3's unit of gathering; pretrain.model.zero3 maps each to a module
 MODULE_HOOKS = ("auto", "keep")       # ZeRO 3's module hooks: pretrain.model.zero3.drop_idle_module_hooks
-OPTIMIZER_STEPS = ("deepspeed", "fused", "triton")   # ZeRO 1-2's optimizer step: pretrain.fused_step
+OPTIMIZER_STEPS = ("auto", "triton", "fused", "deepspeed")   # ZeRO 1-3's optimizer step: pretrain.fused_step
 STAGE3_TUNABLES = ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
                    "stage3_max_live_parameters", "stage3_max_reuse_distance")
 
@@ -109,13 +109,14 @@ class TrainConfig:
     stage3_max_reuse_distance: int | None = setting(None, "ZeRO-3: keep a param gathered if reused within this")
     stage3_gather_unit: str = setting("block", "ZeRO-3: gather each T5 block, or each whole encoder/decoder stack "
                                                "at once", choices=GATHER_UNITS)
-    optimizer_step: str = setting("fused", "ZeRO 1-2 without offload: fused (the default) concatenates the "
-                                           "gradients into fp32 in one pass and runs torch's fused AdamW with the "
-                                           "clipping factor inside (pretrain/fused_step.py; mt5-xl's ZeRO 2 step "
-                                           "1.3-1.9% faster on an H200, the same losses); triton (opt-in, not yet "
-                                           "measured in a step) runs its AdamW in one Triton kernel that reads the "
-                                           "bf16 gradients where ZeRO keeps them (pretrain/one_pass_adamw.py); "
-                                           "deepspeed runs DeepSpeed's step as it is; elsewhere DeepSpeed's",
+    optimizer_step: str = setting("auto", "ZeRO 1-3 without offload: auto (the default) is triton on CUDA and fused "
+                                          "elsewhere; triton runs AdamW in one Triton kernel that reads the bf16 "
+                                          "gradients where ZeRO keeps them (pretrain/one_pass_adamw.py; mt5-xl's "
+                                          "ZeRO 2 step on an H200 397.5 against fused's 414.5 ms, the same losses); "
+                                          "fused concatenates the gradients into fp32 in one pass and runs torch's "
+                                          "fused AdamW with the clipping factor inside (pretrain/fused_step.py); "
+                                          "deepspeed runs DeepSpeed's step as it is; under offload always "
+                                          "DeepSpeed's",
                                   choices=OPTIMIZER_STEPS)
     stage3_module_hooks: str = setting("auto", "ZeRO-3: DeepSpeed's per-module fetch/release hooks; auto leaves them "
                                                "out where they have nothing to do (one rank, every weight resident, "

@@ -1,21 +1,28 @@
-"""ZeRO 1-2's optimizer step in fewer passes over the partition (`--optimizer-step fused`).
+"""ZeRO 1-3's optimizer step in fewer passes over the partition (`--optimizer-step auto | triton | fused`).
 
-    fuse_optimizer_step(optimizer)     # after deepspeed.initialize, before the trainer's guard wraps the inner step
+    fuse_optimizer_step(optimizer, mode)   # after deepspeed.initialize, before the trainer's guard wraps the inner step
 
-DeepSpeed's ZeRO 1-2 step (no offload) walks each rank's partition five times: it concatenates the bf16 gradients
+DeepSpeed's ZeRO 1-3 step (no offload) walks each rank's partition five times: it concatenates the bf16 gradients
 (`flatten`), converts the result to fp32 (`.to`), multiplies it by the clipping factor (`unscale_and_clip_grads`),
 runs the inner AdamW over the fp32 weights and moments, and copies the weights back to bf16: about 52 bytes moved
 per parameter, 3.74 B parameters for mt5-xl, where the optimizer step of a global batch of 32 was 72 ms of 430 on one
-H200 (docs/model.md). Here the bf16 gradients are concatenated straight into an fp32 buffer (one pass), the clipping
-factor is recorded instead of applied, and the inner step is PyTorch's fused AdamW (`torch._fused_adamw_`), which
-divides the gradient by that factor as it reads it: about 40 bytes per parameter, one kernel launch set fewer.
+H200 (docs/pretrain.md). Two replacements, both AdamW as the inner optimizer's up to the order of floating-point
+operations:
 
-Only DeepSpeed's own methods are replaced, on this optimizer object: `flatten_dense_tensors_aligned` and `flatten`
-(for the step's own gradient lists only), `unscale_and_clip_grads`, and the inner optimizer's `step`; the step
-itself, its overflow check, norm, partition bookkeeping, bf16 copy and all-gather stay DeepSpeed's. The update is
-AdamW's, as the inner optimizer's (DeepSpeed's FusedAdam on GPUs, torch's AdamW on the CPU), the same formula up to
-the order of floating-point operations; its moments and step count stay where that optimizer keeps them, so
-checkpoints are the same files and either step resumes the other's.
+- "fused": the bf16 gradients are concatenated straight into an fp32 buffer (one pass), the clipping factor is
+  recorded instead of applied, and the inner step is PyTorch's fused AdamW (`torch._fused_adamw_`), which divides
+  the gradient by that factor as it reads it: about 40 bytes per parameter.
+- "triton" (what "auto" picks on CUDA; "fused" elsewhere): no fp32 gradient at all; DeepSpeed gets a placeholder
+  that holds no memory, and one Triton kernel (pretrain/one_pass_adamw.py) reads the bf16 gradients where ZeRO
+  keeps them, divides by the factor and updates weights and moments: 26 bytes per parameter (mt5-xl's ZeRO 2 step
+  on an H200: 397.5 against the fused step's 414.5 ms, docs/pretrain.md).
+
+Only DeepSpeed's own methods are replaced, on this optimizer object: `flatten` (and at ZeRO 1-2
+`flatten_dense_tensors_aligned`) for the step's own gradient lists only, `unscale_and_clip_grads`, and the inner
+optimizer's `step`; the step itself, its overflow check, norm, partition bookkeeping (ZeRO 3's sub-groups), bf16
+copy and all-gather stay DeepSpeed's. The moments and step count stay where the inner optimizer (DeepSpeed's
+FusedAdam on GPUs, torch's AdamW on the CPU) keeps them, so checkpoints are the same files and any step resumes
+another's.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from pipeline.common import UserError
 
 CHUNK = 1 << 30           # elements per tensor handed to the fused kernel (mt5-xl's partition is 3.7 B)
 
@@ -43,16 +52,30 @@ def _inner_kind(inner) -> str | None:
     return None
 
 
-def _supported(zero) -> str | None:
-    """The inner optimizer's kind where the fused step applies (ZeRO 1-2, no offload, no loss scaling to undo
-    dynamically, AdamW), else None."""
+def _stage(zero) -> int | None:
+    """2 for DeepSpeed's ZeRO 1-2 optimizer, 3 for ZeRO 3's, None for anything else."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    if not isinstance(zero, DeepSpeedZeroOptimizer) or zero.cpu_offload or getattr(zero, "zenflow", False):
+    if isinstance(zero, DeepSpeedZeroOptimizer):
+        return 2
+    return 3 if isinstance(zero, DeepSpeedZeroOptimizer_Stage3) else None
+
+
+def _supported(zero) -> str | None:
+    """The inner optimizer's kind where the fused step applies (ZeRO 1-3 without offload, no loss scaling to undo
+    dynamically, AdamW), else None."""
+    stage = _stage(zero)
+    if stage is None or getattr(zero, "zenflow", False):
+        return None
+    if stage == 2 and zero.cpu_offload:
+        return None
+    if stage == 3 and (zero.offload_optimizer or zero.offload_param or zero.swap_optimizer):
         return None
     if getattr(zero, "torch_autocast_gradscaler", None) is not None or zero.dtype == torch.float16:
         return None
-    if any(getattr(zero, "_muon_update_lacks_loss_scale", lambda i: False)(i) for i in range(len(zero.bit16_groups))):
+    groups = len(zero.bit16_groups if stage == 2 else zero.fp16_groups)
+    if any(getattr(zero, "_muon_update_lacks_loss_scale", lambda i: False)(i) for i in range(groups)):
         return None
     kind = _inner_kind(zero.optimizer)
     if kind == "torch_adamw" and torch.device(zero.device).type != "cpu":
@@ -60,23 +83,37 @@ def _supported(zero) -> str | None:
     return kind
 
 
-def _one_pass_runs_here(zero) -> bool:
-    """The one-pass kernel is Triton's: on CUDA, or on the CPU in Triton's interpreter (the tests)."""
-    return torch.device(zero.device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+def _one_pass_runs_here(zero, mode: str) -> bool:
+    """The one-pass kernel is Triton's: on CUDA where Triton imports ("triton" asks for it and says so when it
+    does not; "auto" then takes the fused step), or on the CPU only in Triton's interpreter (the tests)."""
+    if mode == "auto" and torch.device(zero.device).type != "cuda":
+        return False
+    if torch.device(zero.device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError as error:
+        if mode == "auto":
+            return False
+        raise UserError(f"--optimizer-step triton needs the triton package (PyTorch's CUDA builds bring it): {error};"
+                        f" use --optimizer-step fused")
+    return True
 
 
-def fuse_optimizer_step(zero, mode: str = "fused") -> str:
+def fuse_optimizer_step(zero, mode: str = "auto") -> str:
     """Install the fused step (`mode` "fused"), or the fused step with its AdamW in one pass over the gradients
-    where ZeRO keeps them ("triton", pretrain/one_pass_adamw.py), on DeepSpeed's ZeRO 1-2 optimizer `zero` where it
-    applies; the step that runs: "triton", "fused" (also for "triton" where Triton cannot run) or "deepspeed"."""
-    kind = _supported(zero) if mode in ("fused", "triton") else None
+    where ZeRO keeps them ("triton", pretrain/one_pass_adamw.py; "auto": triton on CUDA, fused elsewhere), on
+    DeepSpeed's ZeRO 1-3 optimizer `zero` where it applies; the step that runs: "triton", "fused" (also for "triton"
+    on a CPU outside Triton's interpreter) or "deepspeed"."""
+    kind = _supported(zero) if mode in ("auto", "fused", "triton") else None
     if kind is None:
         return "deepspeed"
-    one_pass = mode == "triton" and _one_pass_runs_here(zero)
+    stage = _stage(zero)
+    one_pass = mode in ("auto", "triton") and _one_pass_runs_here(zero, mode)
     if one_pass:
         from pretrain.one_pass_adamw import adamw_one_pass
     inner = zero.optimizer
-    original_aligned, original_flatten = zero.flatten_dense_tensors_aligned, zero.flatten
+    original_aligned, original_flatten = getattr(zero, "flatten_dense_tensors_aligned", None), zero.flatten
     scales: dict[int, torch.Tensor | None] = {}        # id(fp32 gradient) -> the factor to divide it by
     device_steps: dict[int, tuple[int, torch.Tensor]] = {}
     captured: dict[int, list[torch.Tensor]] = {}       # one pass: id(placeholder gradient) -> the gradients it stands for
@@ -119,8 +156,8 @@ def fuse_optimizer_step(zero, mode: str = "fused") -> str:
     def flatten(tensors):
         return gradient_of(tensors, None) if step_gradients(tensors) else original_flatten(tensors)
 
-    def unscale_and_clip_grads(grad_groups_flat, total_norm):
-        """Record the factor DeepSpeed would divide by (loss scale times the clipping ratio); apply nothing."""
+    def factor_for(total_norm) -> torch.Tensor | None:
+        """The factor DeepSpeed would divide the gradients by: the loss scale times the clipping ratio."""
         def on_device(value) -> torch.Tensor:   # made there (a fill), not copied from the host: no sync in the step
             if torch.is_tensor(value):
                 return value.to(zero.device)
@@ -136,8 +173,17 @@ def fuse_optimizer_step(zero, mode: str = "fused") -> str:
             factor = (ratio * zero.loss_scale).float()
         elif zero.loss_scale != 1.0:
             factor = on_device(zero.loss_scale)
+        return factor
+
+    def unscale_and_clip_grads(grad_groups_flat, total_norm):
+        """ZeRO 1-2's: record the factor for each group's fp32 gradient; apply nothing."""
+        factor = factor_for(total_norm)
         for grad in grad_groups_flat:
             scales[id(grad)] = factor
+
+    def unscale_and_clip_sub_group(sub_group_id, total_norm):
+        """ZeRO 3's, called for each sub-group of the partition in turn: record the factor for its fp32 gradient."""
+        scales[id(zero.fp32_partitioned_groups_flat[sub_group_id].grad)] = factor_for(total_norm)
 
     def step_tensor(state: dict, param: torch.Tensor) -> torch.Tensor:
         """The step count as the fused kernel reads it (a float tensor on the parameter's device), incremented as
@@ -187,8 +233,11 @@ def fuse_optimizer_step(zero, mode: str = "fused") -> str:
         captured.clear()
         return loss
 
-    zero.flatten_dense_tensors_aligned = flatten_dense_tensors_aligned
+    if stage == 2:
+        zero.flatten_dense_tensors_aligned = flatten_dense_tensors_aligned
+        zero.unscale_and_clip_grads = unscale_and_clip_grads
+    else:    # ZeRO 3 concatenates each sub-group's gradients with `flatten` (no alignment: they fill its partition)
+        zero.unscale_and_clip_grads = unscale_and_clip_sub_group
     zero.flatten = flatten
-    zero.unscale_and_clip_grads = unscale_and_clip_grads
     inner.step = fused_inner_step
     return "triton" if one_pass else "fused"

@@ -67,7 +67,7 @@ def test_the_fused_zero2_check_answers_as_deepspeeds(case):
 
 @pytest.mark.parametrize("step", ["fused", "triton"])
 def test_a_real_bf16_zero2_run_installs_the_fused_check_and_still_skips_a_nan(tiny_shards, tmp_path, step):
-    """pretrain at ZeRO 2 in bf16 on CPU (one gloo rank), with the default fused optimizer step and with the one-pass
+    """pretrain at ZeRO 2 in bf16 on CPU (one gloo rank), with the fused optimizer step (the default on a CPU) and with the one-pass
     one (in Triton's interpreter): the engine notes the replaced check, a NaN forced on batch 2 (its gradients NaN
     too) is skipped, and training goes on with finite losses."""
     import json

@@ -12,11 +12,13 @@ Launches (each a real `python -m pretrain.cli` run, 6 steps of 16 examples, grad
          under the profiler (--profile-steps 1)
   stack3 ZeRO 3 eager with each whole stack as the unit of gathering (--stage3-gather-unit stack), --stop-after 3
   one0 / one1 / one2 / one3  --nproc 1 --resume from the step-3 checkpoint of stop0 / stop1 / ref / stop3 (2 ranks
-         -> 1, grad accumulation 2 -> 4; ZeRO 1-3 through a universal checkpoint; one2 resumes ref's fused
-         optimizer step with --optimizer-step deepspeed; one1 runs under offload, where the fused step does not apply)
+         -> 1, grad accumulation 2 -> 4; ZeRO 1-3 through a universal checkpoint; one2 and one3 resume the fused
+         optimizer step of ref and stop3 with --optimizer-step deepspeed; one1 runs under offload, where the fused
+         step does not apply)
   ds2    ZeRO 2, 2 ranks, --optimizer-step deepspeed (DeepSpeed's own step, ref runs the default fused one),
          --stop-after 3
   tri2   ZeRO 2, 2 ranks, --optimizer-step triton (the one-pass AdamW kernel, in Triton's interpreter), --stop-after 3
+  ds3 / tri3  as stop3 with --optimizer-step deepspeed / triton (-m slow; stop3 runs the default, fused on the CPU)
   broken --nproc 1 --resume from a ZeRO 2 checkpoint with a corrupt partition file (its saved size kept): must fail
          with one line (tests/pretrain/test_resume_fallback.py has the truncated and fallback cases)
 plus one 2-rank gloo script (no training) that compares the partitioned build with `build` bit for bit.
@@ -257,10 +259,10 @@ def test_resume_at_another_rank_count_continues_the_data_order(runs):
     for stage in (0, 1, 3):
         runs.stopped(stage)
     sources = {0: runs.dir("stop0"), 1: runs.dir("stop1"), 2: runs.dir("ref"), 3: runs.dir("stop3")}
-    # DeepSpeed's optimizer step resumes the fused step's checkpoint at ZeRO 2 (ref ran the default, fused); under
-    # offload (ZeRO 1 here) the fused step does not apply
+    # DeepSpeed's optimizer step resumes the fused step's checkpoint at ZeRO 2 and 3 (ref and stop3 ran the
+    # default, fused on the CPU); under offload (ZeRO 1 here) the fused step does not apply
     extras = {1: ("--activation-checkpointing", "--offload", "cpu"),   # as stop1 ran
-              2: ("--optimizer-step", "deepspeed")}
+              2: ("--optimizer-step", "deepspeed"), 3: ("--optimizer-step", "deepspeed")}
     for stage, source in sources.items():
         result, records = resume_at_one_rank(runs, stage, source, *extras.get(stage, ()))
         assert f"[resume] {tag_for(HALF)}" in result.stdout
@@ -281,7 +283,7 @@ def test_resume_at_another_rank_count_continues_the_data_order(runs):
         assert config["deepspeed"].get("checkpoint", {}).get("load_universal", False) == (stage > 0)
         if stage == 3:      # resumed on one rank without its module hooks (the test below)
             assert config["engine"]["module_hooks"] == "dropped"
-        assert config["engine"]["optimizer_step"] == "deepspeed", stage   # asked for (2), or the fused one n/a
+        assert config["engine"]["optimizer_step"] == "deepspeed", stage   # asked for (2, 3), or the fused one n/a
 
 
 @pytest.mark.slow   # ./scripts/test.sh -m slow (the default suite stays under CI's 20 minutes)
@@ -329,6 +331,23 @@ def test_the_one_pass_optimizer_step_trains_as_deepspeeds_on_two_ranks(runs):
     assert json.loads((runs.dir("tri2") / "config.json").read_text())["engine"]["optimizer_step"] == "triton"
     assert losses(one_pass) == pytest.approx(losses(ref[:HALF]), rel=2e-6)
     assert [r["grad_norm"] for r in one_pass] == pytest.approx([r["grad_norm"] for r in ref[:HALF]], rel=1e-5)
+
+
+@pytest.mark.slow   # ./scripts/test.sh -m slow (the default suite stays under CI's 20 minutes)
+def test_the_fused_and_one_pass_steps_train_as_deepspeeds_at_zero3(runs):
+    """ZeRO 3 on 2 ranks, compiled, each rank updating its half of each sub-group's partition: the default fused
+    step (stop3, in the stage comparison above), DeepSpeed's own (ds3) and the one-pass kernel (tri3, in Triton's
+    interpreter) give the same losses and gradient norms within fp32's rounding."""
+    runs.stopped(3)
+    fused = runs.metrics("stop3")
+    assert json.loads((runs.dir("stop3") / "config.json").read_text())["engine"]["optimizer_step"] == "fused"
+    for name, step in (("ds3", "deepspeed"), ("tri3", "triton")):
+        runs.run(name, "--zero", "3", "--nproc", "2", "--stop-after", str(HALF), "--compile", "--optimizer-step", step)
+        other = runs.metrics(name)
+        assert json.loads((runs.dir(name) / "config.json").read_text())["engine"]["optimizer_step"] == step
+        assert losses(other) == pytest.approx(losses(fused), rel=2e-6), step
+        assert [r["grad_norm"] for r in other] == pytest.approx([r["grad_norm"] for r in fused], rel=1e-5), step
+        assert [r["batch_checksum"] for r in other] == [r["batch_checksum"] for r in fused]
 
 
 def test_a_corrupt_partition_fails_the_conversion_with_one_line(runs):
