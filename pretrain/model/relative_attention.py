@@ -111,7 +111,7 @@ def _scores(a, b, bias_row, key_bias_row, query_idx, key_idx, length,
 
 
 @triton.jit
-def _forward_kernel(QKV, BIAS, KEY_BIAS, OUT, LSE,
+def _attn_fwd_kernel(QKV, BIAS, KEY_BIAS, OUT, LSE,
                     stride_b, stride_l, stride_ob, stride_ol, stride_bias_h, stride_kb, stride_lse_bh,
                     num_heads, length,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -145,7 +145,7 @@ def _forward_kernel(QKV, BIAS, KEY_BIAS, OUT, LSE,
 
 
 @triton.jit
-def _backward_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS,
+def _attn_bwd_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS,
                         stride_b, stride_l, stride_db, stride_dl, stride_ob, stride_ol, stride_bias_h, stride_kb,
                         stride_lse_bh, num_heads, length, num_blocks,
                         HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
@@ -204,7 +204,7 @@ def _backward_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS,
 
 
 @triton.jit
-def _backward_q_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV,
+def _attn_bwd_q_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV,
                        stride_b, stride_l, stride_db, stride_dl, stride_ob, stride_ol, stride_bias_h, stride_kb,
                        stride_lse_bh, num_heads, length,
                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -236,7 +236,7 @@ def _backward_q_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV,
 
 
 @triton.jit
-def _delta_kernel(OUT, DOUT, DELTA, stride_ob, stride_ol, stride_lse_bh, num_heads, length,
+def _attn_bwd_delta_kernel(OUT, DOUT, DELTA, stride_ob, stride_ol, stride_lse_bh, num_heads, length,
                   HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     """delta[b, h, i] = sum_d out[b, i, h, d] * dout[b, i, h, d] in fp32 (the softmax backward's row term)."""
     bh, b, h = _head_of_program(num_heads)
@@ -271,7 +271,7 @@ def _forward(qkv: torch.Tensor, bias_by_offset: torch.Tensor, key_bias: torch.Te
     key_bias_arg, stride_kb, has_key_bias = _key_bias_args(key_bias, bias_by_offset)
     config = dict(FORWARD)
     grid = (triton.cdiv(length, config["BLOCK_M"]), batch * num_heads)
-    _forward_kernel[grid](qkv, bias_by_offset, key_bias_arg, out, lse,
+    _attn_fwd_kernel[grid](qkv, bias_by_offset, key_bias_arg, out, lse,
                           qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1), bias_by_offset.stride(0),
                           stride_kb, lse.stride(1), num_heads, length,
                           HEAD_DIM=head_dim, CAUSAL=causal, HAS_KEY_BIAS=has_key_bias,
@@ -294,7 +294,7 @@ def _backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: tor
     head_dim = width // (3 * num_heads)
     dout = dout.contiguous()                      # the same [B, L, H * D] layout as out
     delta = torch.empty_like(lse)                 # [B, H, L] fp32: rowsum(dO * O)
-    _delta_kernel[(triton.cdiv(length, 64), batch * num_heads)](
+    _attn_bwd_delta_kernel[(triton.cdiv(length, 64), batch * num_heads)](
         out, dout, delta, out.stride(0), out.stride(1), lse.stride(1), num_heads, length, HEAD_DIM=head_dim, BLOCK=64)
     dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
     key_bias_arg, stride_kb, has_key_bias = _key_bias_args(key_bias, bias_by_offset)
@@ -309,10 +309,10 @@ def _backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: tor
     kv_config["BIAS_GRAD"] = bias_grad
     strides = (qkv.stride(0), qkv.stride(1), dqkv.stride(0), dqkv.stride(1), dout.stride(0), dout.stride(1),
                bias_by_offset.stride(0), stride_kb, lse.stride(1))
-    _backward_kv_kernel[(num_blocks, batch * num_heads)](
+    _attn_bwd_kv_kernel[(num_blocks, batch * num_heads)](
         qkv, bias_by_offset, key_bias_arg, dout, lse, delta, dqkv, diagonals, *strides, num_heads, length,
         num_blocks, **common, **kv_config)
-    _backward_q_kernel[(triton.cdiv(length, q_config["BLOCK_M"]), batch * num_heads)](
+    _attn_bwd_q_kernel[(triton.cdiv(length, q_config["BLOCK_M"]), batch * num_heads)](
         qkv, bias_by_offset, key_bias_arg, dout, lse, delta, dqkv, *strides, num_heads, length,
         **common, **q_config)
     if not bias_grad:
