@@ -4,9 +4,9 @@
                    weight_decay=..., cache=cache)
 
 `param`, `exp_avg` and `exp_avg_sq` are the rank's flat fp32 partition and its moments; `gradients` the list of
-bf16 (or fp32) tensors whose concatenation, in order, is the partition's gradient (ZeRO 1-2's `averaged_gradients`;
-at ZeRO 2 views of its contiguous gradient buffer, filled in backward order). The kernel reads each gradient in
-place through a table of (offset in the gradients' storage, offset in the partition, count) rows, so the
+bf16 (or fp32) tensors whose concatenation, in order, is the partition's gradient (ZeRO 1-3's `averaged_gradients`;
+at ZeRO 2 views of its contiguous gradient buffer, filled in backward order; at ZeRO 3 of its flat gradient-partition
+buffer, per sub-group). The kernel reads each gradient in place through a table of (offset in the gradients' storage, offset in the partition, count) rows, so the
 concatenation into an fp32 buffer that DeepSpeed's step and `--optimizer-step fused` make first (6 bytes a
 parameter, 12.6 ms for mt5-xl on an H200) is not made at all (gradients that are not views of one storage, ZeRO 1's,
 are concatenated in their own dtype first), and the gradient is read as bf16 (2 bytes, not an
