@@ -3,17 +3,17 @@
     adamw_one_pass(gradients, param, exp_avg, exp_avg_sq, step, scale, lr=..., betas=..., eps=...,
                    weight_decay=..., cache=cache)
 
-`param`, `exp_avg` and `exp_avg_sq` are the rank's flat fp32 partition and its moments; `gradients` the list of
-bf16 (or fp32) tensors whose concatenation, in order, is the partition's gradient (ZeRO 1-3's `averaged_gradients`;
-at ZeRO 2 views of its contiguous gradient buffer, filled in backward order; at ZeRO 3 of its flat gradient-partition
-buffer, per sub-group). The kernel reads each gradient in place through a table of (offset in the gradients' storage, offset in the partition, count) rows, so the
-concatenation into an fp32 buffer that DeepSpeed's step and `--optimizer-step fused` make first (6 bytes a
-parameter, 12.6 ms for mt5-xl on an H200) is not made at all (gradients that are not views of one storage, ZeRO 1's,
-are concatenated in their own dtype first), and the gradient is read as bf16 (2 bytes, not an
-fp32 copy's 4). Per element: g = grad / scale (the clipping factor), m = b1 m + (1 - b1) g, v = b2 v + (1 - b2) g^2,
-p = p (1 - lr wd) - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps), t the step count read from the device:
-AdamW as torch's, 26 bytes a parameter. Elements of the partition past the gradients (ZeRO's alignment padding) are
-left alone: with zero gradients and zero weights there, AdamW leaves them zero too.
+`param`, `exp_avg` and `exp_avg_sq` are the rank's flat fp32 partition and its moments; `gradients` the list of bf16
+(or fp32) tensors whose concatenation, in order, is the partition's gradient (ZeRO 1-3's `averaged_gradients`; at ZeRO
+2 views of its contiguous gradient buffer, filled in backward order; at ZeRO 3 of its flat gradient-partition buffer,
+per sub-group). The kernel reads each gradient in place through a table of (offset in the gradients' storage, offset
+in the partition, count) rows, so the concatenation into an fp32 buffer that DeepSpeed's step and `--optimizer-step
+fused` make first (6 bytes a parameter, 12.6 ms for mt5-xl on an H200) is not made at all (gradients that are not
+views of one storage, ZeRO 1's, are concatenated in their own dtype first), and the gradient is read as bf16 (2 bytes,
+not an fp32 copy's 4). Per element: g = grad / scale (the clipping factor), m = b1 m + (1 - b1) g, v = b2 v + (1 - b2)
+g^2, p = p (1 - lr wd) - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps), t the step count read from the
+device: AdamW as torch's, 26 bytes a parameter. Elements of the partition past the gradients (ZeRO's alignment
+padding) are left alone: with zero gradients and zero weights there, AdamW leaves them zero too.
 
 Runs on CUDA, and on the CPU only in Triton's interpreter (`TRITON_INTERPRET=1`, the tests).
 """
