@@ -65,7 +65,7 @@ def test_the_fused_zero2_check_answers_as_deepspeeds(case):
     assert fused.shape == (1,) and bool(fused) == serial == (case in ("inf", "-inf", "nan"))
 
 
-@pytest.mark.parametrize("step", ["fused", "triton"])
+@pytest.mark.parametrize("step", ["fused", pytest.param("triton", marks=pytest.mark.slow)])   # slow: -m slow
 def test_a_real_bf16_zero2_run_installs_the_fused_check_and_still_skips_a_nan(tiny_shards, tmp_path, step):
     """pretrain at ZeRO 2 in bf16 on CPU (one gloo rank), with the fused optimizer step (the default on a CPU) and with the one-pass
     one (in Triton's interpreter): the engine notes the replaced check, a NaN forced on batch 2 (its gradients NaN

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 import yaml
 
 from background import no_process_left
@@ -39,6 +40,7 @@ def wait_for_first_step(run_dir: Path, study: subprocess.Popen, log: Path, timeo
         time.sleep(0.1)
 
 
+@pytest.mark.slow   # ./scripts/test.sh -m slow (the default suite stays under CI's 20 minutes)
 def test_killing_the_study_kills_its_point_and_sigterm_stops_a_rerun(tiny_shards, tmp_path):
     grid = tmp_path / "grid.yaml"
     grid.write_text(yaml.safe_dump({"name": "sig", "base": {"steps": 2000, "global_batch": 8, "timeout_s": 600},

@@ -149,6 +149,7 @@ def test_zero3_hooks_each_block_as_one_unit_and_keeps_its_trace(tmp_path):
     assert all(fused == pytest.approx(expected, rel=1e-12) for fused, expected in norms), norms
 
 
+@pytest.mark.slow   # ./scripts/test.sh -m slow (the default suite stays under CI's 20 minutes)
 def test_compiled_blocks_stay_one_graph_each_under_zero3(tmp_path):
     result = run_ranks(tmp_path, compile_regions=True)
     assert "zero3_linear_wrap" not in result["linear"], result["linear"]  # torch's F.linear is in the graphs
