@@ -15,5 +15,15 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
 fi
 echo "[setup] installing t5zero and its test extras"
 .venv/bin/pip install -q -e '.[test]' 2>&1 | grep -v 'is ignored: it is neither a file nor a directory' || true
-.venv/bin/python -c 'import torch, deepspeed, ray, tokenizers, pyarrow, datasets' 2>/dev/null \
+.venv/bin/python -c 'import torch, deepspeed, ray, tokenizers, pyarrow, datasets' >/dev/null 2>&1 \
   || { echo "[setup] the environment is incomplete: rerun scripts/setup_env.sh" >&2; exit 1; }
+# Every DeepSpeed rank on the CPU loads DeepSpeed's shared-memory collective op, JIT-compiled on first use (~1 min,
+# silent): build it here once, so that the first run or test does not stall on it.
+.venv/bin/python - <<'EOF' 2>&1 | grep -v 'real_accelerator.py' || true
+import deepspeed.ops
+from deepspeed.accelerator import get_accelerator
+builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+    print("[setup] DeepSpeed's CPU shared-memory op (built once, ~1 min the first time)", flush=True)
+    builder.load(verbose=False)
+EOF

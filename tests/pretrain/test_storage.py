@@ -210,6 +210,7 @@ def test_remote_mode_refuses_a_cache_too_small_for_its_prefetch(s3_endpoint, rem
         ShardStreamer(url, cache_dir=tmp_path, prefetch=4, max_bytes=1000)
 
 
+@pytest.mark.slow   # ./scripts/test.sh -m slow (the default suite stays under CI's 20 minutes)
 def test_pretrain_remote_mode_end_to_end_from_cold_and_resumes(s3_endpoint, tiny_shards, tmp_path):
     """`pretrain --loader remote` on the real tiny shard set uploaded to the S3 server: from a cold cache smaller
     than the set, with the first batch's wait reported; a run stopped and resumed reads exactly the batches of a
