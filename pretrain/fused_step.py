@@ -62,10 +62,9 @@ def _stage(zero) -> int | None:
     return 3 if isinstance(zero, DeepSpeedZeroOptimizer_Stage3) else None
 
 
-def _supported(zero) -> str | None:
+def _supported(zero, stage: int | None) -> str | None:
     """The inner optimizer's kind where the fused step applies (ZeRO 1-3 without offload, no loss scaling to undo
-    dynamically, AdamW), else None."""
-    stage = _stage(zero)
+    dynamically, AdamW), else None; `stage` is `_stage(zero)`."""
     if stage is None or getattr(zero, "zenflow", False):
         return None
     if stage == 2 and zero.cpu_offload:
@@ -86,9 +85,7 @@ def _supported(zero) -> str | None:
 def _one_pass_runs_here(zero, mode: str) -> bool:
     """The one-pass kernel is Triton's: on CUDA where Triton imports ("triton" asks for it and says so when it
     does not; "auto" then takes the fused step), or on the CPU only in Triton's interpreter (the tests)."""
-    if mode == "auto" and torch.device(zero.device).type != "cuda":
-        return False
-    if torch.device(zero.device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if torch.device(zero.device).type != "cuda" and (mode == "auto" or os.environ.get("TRITON_INTERPRET") != "1"):
         return False
     try:
         import triton  # noqa: F401
@@ -105,10 +102,10 @@ def fuse_optimizer_step(zero, mode: str = "auto") -> str:
     where ZeRO keeps them ("triton", pretrain/one_pass_adamw.py; "auto": triton on CUDA, fused elsewhere), on
     DeepSpeed's ZeRO 1-3 optimizer `zero` where it applies; the step that runs: "triton", "fused" (also for "triton"
     on a CPU outside Triton's interpreter) or "deepspeed"."""
-    kind = _supported(zero) if mode in ("auto", "fused", "triton") else None
+    stage = _stage(zero)
+    kind = _supported(zero, stage) if mode in ("auto", "fused", "triton") else None
     if kind is None:
         return "deepspeed"
-    stage = _stage(zero)
     one_pass = mode in ("auto", "triton") and _one_pass_runs_here(zero, mode)
     if one_pass:
         from pretrain.one_pass_adamw import adamw_one_pass
@@ -116,7 +113,7 @@ def fuse_optimizer_step(zero, mode: str = "auto") -> str:
     original_aligned, original_flatten = getattr(zero, "flatten_dense_tensors_aligned", None), zero.flatten
     scales: dict[int, torch.Tensor | None] = {}        # id(fp32 gradient) -> the factor to divide it by
     device_steps: dict[int, tuple[int, torch.Tensor]] = {}
-    captured: dict[int, list[torch.Tensor]] = {}       # one pass: id(placeholder gradient) -> the gradients it stands for
+    captured: dict[int, list[torch.Tensor]] = {}       # one pass: id(placeholder gradient) -> the gradients behind it
     tables: dict[int, dict] = {}                       # one pass: id(fp32 partition) -> its table of rows
 
     def step_gradients(tensors) -> bool:
