@@ -19,11 +19,7 @@ echo "[setup] installing t5zero and its test extras"
   || { echo "[setup] the environment is incomplete: rerun scripts/setup_env.sh" >&2; exit 1; }
 # Every DeepSpeed rank on the CPU loads DeepSpeed's shared-memory collective op, JIT-compiled on first use (~1 min,
 # silent): build it here once, so that the first run or test does not stall on it.
-.venv/bin/python - <<'EOF' 2>&1 | grep -v 'real_accelerator.py' || true
-import deepspeed.ops
-from deepspeed.accelerator import get_accelerator
-builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-    print("[setup] DeepSpeed's CPU shared-memory op (built once, ~1 min the first time)", flush=True)
-    builder.load(verbose=False)
-EOF
+# (DeepSpeed's own build_shm_op, what its ranks call: the same checks, the same cache)
+echo "[setup] DeepSpeed's CPU shared-memory op (built once, ~1 min the first time)"
+.venv/bin/python -c 'from deepspeed.comm.torch import build_shm_op; build_shm_op()' 2>&1 \
+  | grep -v 'real_accelerator.py' || true
