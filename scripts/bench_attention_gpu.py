@@ -63,45 +63,47 @@ def make_case(preset: str, batch: int, decoder: bool, seed: int = 0):
     return config, stack, qkv, dout, length
 
 
+def split_heads(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [B, H, L, D] of a fused q|k|v [B, L, 3HD] (views)."""
+    batch, length, width = qkv.shape
+    return qkv.view(batch, length, 3, heads, width // (3 * heads)).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def merge_heads(out: torch.Tensor) -> torch.Tensor:
+    """[B, H, L, D] -> [B, L, H*D], the layout the output projection reads."""
+    batch, heads, length, d_kv = out.shape
+    return out.transpose(1, 2).reshape(batch, length, heads * d_kv)
+
+
 def runner(variant: str, config, stack, qkv, length: int, decoder: bool):
     """(fn, bias): fn computes the variant's output [B, L, H*D] from qkv; bias is the position-bias tensor it reads
     (made once, as the model makes it once per stack for all its layers; a leaf with a gradient unless -nograd),
     or None."""
-    heads, d_kv = config.num_heads, config.d_kv
+    heads = config.num_heads
     grad = not variant.endswith("-nograd")
     if variant.startswith("triton"):
         bias = stack.relative_attention_bias(length, length, by_offset=True).detach().requires_grad_(grad)
         return lambda: kernels.relative_attention(qkv, bias, heads, decoder), bias
-
-    def split():
-        q, k, v = qkv.view(qkv.shape[0], length, 3, heads, d_kv).permute(2, 0, 3, 1, 4).unbind(0)
-        return q, k, v
     if variant.startswith("flex"):
         flex_bias = stack.flex_self_attention_bias(length, None)
         flex_bias = flex_bias._replace(position=flex_bias.position.detach().requires_grad_(grad))
-
-        def flex():
-            out = t5.flex_self_attention(*split(), flex_bias)
-            return out.transpose(1, 2).reshape(qkv.shape[0], length, heads * d_kv)
-        return flex, flex_bias.position
+        return lambda: merge_heads(t5.flex_self_attention(*split_heads(qkv, heads), flex_bias)), flex_bias.position
 
     def sdpa():
-        out = F.scaled_dot_product_attention(*split(), is_causal=decoder, scale=1.0)
-        return out.transpose(1, 2).reshape(qkv.shape[0], length, heads * d_kv)
+        return merge_heads(F.scaled_dot_product_attention(*split_heads(qkv, heads), is_causal=decoder, scale=1.0))
     return sdpa, None
 
 
 def exact_outputs(config, stack, qkv, dout, length: int, decoder: bool):
     """(out, d qkv, d bias per offset) of the same attention in float64 from the same bf16 inputs and bias."""
-    heads, d_kv = config.num_heads, config.d_kv
     leaf = qkv.detach().double().requires_grad_()
     bias = stack.relative_attention_bias(length, length)[0].detach().double().requires_grad_()
-    q, k, v = leaf.view(leaf.shape[0], length, 3, heads, d_kv).permute(2, 0, 3, 1, 4).unbind(0)
+    q, k, v = split_heads(leaf, config.num_heads)
     scores = q @ k.transpose(-1, -2) + bias
     if decoder:
         future = torch.ones(length, length, dtype=torch.bool, device=qkv.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
-    out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(leaf.shape[0], length, heads * d_kv)
+    out = merge_heads(scores.softmax(-1) @ v)
     out.backward(dout.double())
     return out.detach(), leaf.grad, per_offset(bias.grad, length)
 
