@@ -112,10 +112,10 @@ def _scores(a, b, bias_row, key_bias_row, query_idx, key_idx, length,
 
 @triton.jit
 def _attn_fwd_kernel(QKV, BIAS, KEY_BIAS, OUT, LSE,
-                    stride_b, stride_l, stride_ob, stride_ol, stride_bias_h, stride_kb, stride_lse_bh,
-                    num_heads, length,
-                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr):
+                     stride_b, stride_l, stride_ob, stride_ol, stride_bias_h, stride_kb, stride_lse_bh,
+                     num_heads, length,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CAUSAL: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr):
     """One program: BLOCK_M queries of one (batch row, head), every key block, online softmax."""
     bh, b, h, base, bias_row, key_bias_row = _head_pointers(QKV, BIAS, KEY_BIAS, stride_b, stride_bias_h, stride_kb,
                                                             num_heads, length, HEAD_DIM)
@@ -237,7 +237,7 @@ def _attn_bwd_q_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV,
 
 @triton.jit
 def _attn_bwd_delta_kernel(OUT, DOUT, DELTA, stride_ob, stride_ol, stride_lse_bh, num_heads, length,
-                  HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+                           HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     """delta[b, h, i] = sum_d out[b, i, h, d] * dout[b, i, h, d] in fp32 (the softmax backward's row term)."""
     bh, b, h = _head_of_program(num_heads)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -272,10 +272,10 @@ def _forward(qkv: torch.Tensor, bias_by_offset: torch.Tensor, key_bias: torch.Te
     config = dict(FORWARD)
     grid = (triton.cdiv(length, config["BLOCK_M"]), batch * num_heads)
     _attn_fwd_kernel[grid](qkv, bias_by_offset, key_bias_arg, out, lse,
-                          qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1), bias_by_offset.stride(0),
-                          stride_kb, lse.stride(1), num_heads, length,
-                          HEAD_DIM=head_dim, CAUSAL=causal, HAS_KEY_BIAS=has_key_bias,
-                          PRECISION=_precision(qkv.dtype), **config)
+                           qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1), bias_by_offset.stride(0),
+                           stride_kb, lse.stride(1), num_heads, length,
+                           HEAD_DIM=head_dim, CAUSAL=causal, HAS_KEY_BIAS=has_key_bias,
+                           PRECISION=_precision(qkv.dtype), **config)
     return out, lse
 
 
