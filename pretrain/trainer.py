@@ -459,6 +459,7 @@ class Trainer:
             parameters = local = sum(p.numel() for p in model.parameters())
             method = "pretrain.model.t5.build (whole model on every rank)"
         return {"model": model, "method": method, "parameters": parameters, "local_parameters": local,
+                "attention": model_config.self_attention_kind(self.device.type),   # what `auto` resolved to
                 "host_peak_rss_gib": round(host_peak_rss_gib(), 3)}   # this rank's host peak so far
 
     def _wait_for_start_gate(self) -> None:

@@ -238,15 +238,28 @@ def tabulate(results: dict, variants: list[str], reference: str, window: int, st
         "-" if v == reference else f"{np.abs(gaps[v]).max():.4f}" for v in variants) + " |")
     lines.append(f"| windows above {reference} | " + " | ".join(
         "-" if v == reference else f"{int((gaps[v].mean(axis=0) > 0).sum())}/{len(starts)}" for v in variants) + " |")
+    lines.append(f"| mean gap to {reference} (offset), all windows and seeds | " + " | ".join(
+        "-" if v == reference else f"{gaps[v].mean():+.4f}" for v in variants) + " |")
+    lines.append(f"| mean abs gap to {reference} | " + " | ".join(
+        "-" if v == reference else f"{np.abs(gaps[v]).mean():.4f}" for v in variants) + " |")
     summary = {"window_means": {v: means[v].tolist() for v in variants},
-               "max_abs_gap": {v: float(np.abs(gaps[v]).max()) for v in variants if v != reference}}
-    text = "\n".join(lines)
+               "max_abs_gap": {v: float(np.abs(gaps[v]).max()) for v in variants if v != reference},
+               "mean_gap": {v: float(gaps[v].mean()) for v in variants if v != reference},
+               "mean_abs_gap": {v: float(np.abs(gaps[v]).mean()) for v in variants if v != reference}}
     if "hf" in variants and "hf-compile" in variants:
-        spread = np.abs(np.array([np.subtract(window_means(results[s]["hf-compile"]["losses"], window),
-                                              window_means(results[s]["hf"]["losses"], window)) for s in seeds]))
+        spread = np.abs(gaps["hf-compile"]) if reference == "hf" else np.abs(np.array(
+            [np.subtract(window_means(results[s]["hf-compile"]["losses"], window),
+                         window_means(results[s]["hf"]["losses"], window)) for s in seeds]))
         summary["hf_compile_spread"] = float(spread.max())
+        summary["windows_outside_spread"] = {v: int((np.abs(gaps[v]) > spread.max()).sum())
+                                             for v in variants if v != reference}
+        lines.append(f"| windows outside the spread (of {gaps[reference].size}) | " + " | ".join(
+            "-" if v == reference else str(summary["windows_outside_spread"][v]) for v in variants) + " |")
+        text = "\n".join(lines)
         text += (f"\n\nnoise reference: HF compiled vs HF eager, per-window max |diff| over {len(starts)} windows x "
                  f"{len(seeds)} seed(s): {spread.max():.4f} (mean {spread.mean():.4f})")
+    else:
+        text = "\n".join(lines)
     return text, summary
 
 

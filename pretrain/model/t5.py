@@ -6,13 +6,14 @@ Architecture (T5 v1.1 / mT5, as in HF `T5ForConditionalGeneration` with `feed_fo
 RMSNorm without bias (statistics in fp32), gated-GELU feed-forward (tanh approximation), pre-norm residual
 blocks, relative position buckets whose bias is computed once per stack and shared by its layers, no
 scaling of attention scores (T5 folds 1/sqrt(d_kv) into the init), an untied LM head without rescaling,
-and no dropout by default. On a GPU the self-attentions run FlexAttention, which adds the trainable position bias
-inside its kernel (`flex_self_attention`); on the CPU (no FlexAttention backward there), with dropout, or with
-`attention="sdpa"` they run `scaled_dot_product_attention` with the position bias as the additive mask (scale=1.0):
-`attention="auto"`, the default, picks by the input's device (`T5Config.self_attention_kind`); `attention="triton"`
-runs our Triton kernels instead (`pretrain/model/relative_attention.py`: the bias read per key - query offset, its
-gradient reduced in the kernel, deterministic). The loss never materialises the full fp32 logits: it walks the
-target tokens in chunks and computes logits, cross-entropy and their gradients chunk by chunk.
+and no dropout by default. On a GPU of compute capability >= 9.0 the self-attentions run our Triton kernels
+(`pretrain/model/relative_attention.py`: the bias read per key - query offset, its gradient reduced in the kernel,
+deterministic), on older GPUs FlexAttention, which adds the trainable position bias inside its kernel
+(`flex_self_attention`); on the CPU (no FlexAttention backward there), with dropout, or with `attention="sdpa"`
+they run `scaled_dot_product_attention` with the position bias as the additive mask (scale=1.0):
+`attention="auto"`, the default, picks by the input's device (`T5Config.self_attention_kind`). The loss never
+materialises the full fp32 logits: it walks the target tokens in chunks and computes logits, cross-entropy and
+their gradients chunk by chunk.
 
 Weights are stored fused where that saves kernel launches (q|k|v, k|v of cross-attention, wi_0|wi_1);
 `pretrain/model/hf.py` maps them to and from HF's names. This module imports neither `transformers` nor
@@ -91,14 +92,17 @@ class T5Config:
                             f"attention probabilities; use attention='sdpa' with dropout_rate={self.dropout_rate}")
 
     def self_attention_kind(self, device_type: str) -> str:
-        """The kernel of the self-attentions for inputs on `device_type`: an explicit choice as it is ("triton": our
-        kernels, opt-in, docs/model.md), else (auto) flex on CUDA (1.12x the SDPA step for mt5-large on an
-        H200, its loss inside HF's compiled-vs-eager spread over 400 steps, docs/model.md), unless attention
-        probabilities drop out (FlexAttention has no dropout); sdpa elsewhere (PyTorch has no FlexAttention backward
-        on the CPU)."""
-        if self.attention == "auto":
-            return "flex" if device_type == "cuda" and self.dropout_rate == 0 else "sdpa"
-        return self.attention
+        """The kernel of the self-attentions for inputs on `device_type`: an explicit choice as it is, else (auto),
+        without dropout of attention probabilities (neither kernel has it), on CUDA: triton (our kernels) on GPUs of
+        compute capability >= 9.0 (Hopper and later; measured on an H200: mt5-large 1.026x flex's step, its 400-step
+        loss as close to HF's as flex's over 4 seeds, docs/model.md), flex (1.12x the SDPA step) on older GPUs,
+        where our kernels' tile settings are not measured; sdpa elsewhere (PyTorch has no FlexAttention backward on
+        the CPU)."""
+        if self.attention != "auto":
+            return self.attention
+        if device_type != "cuda" or self.dropout_rate > 0:
+            return "sdpa"
+        return "triton" if triton_attention_measured() else "flex"
 
     @property
     def inner_dim(self) -> int:
@@ -107,6 +111,14 @@ class T5Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_attention_measured() -> bool:
+    """Whether `attention: auto` takes our Triton kernels on this machine's CUDA device: one of compute capability
+    >= 9.0 (the tile settings in relative_attention.py were swept on an H200), with Triton importable."""
+    import importlib.util
+    return torch.cuda.get_device_capability() >= (9, 0) and importlib.util.find_spec("triton") is not None
 
 
 def list_presets() -> list[str]:

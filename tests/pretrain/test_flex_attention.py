@@ -75,13 +75,23 @@ def assert_same_outputs(got, want, tolerance, loss_rtol):
         assert_close_relative(got[2][name], grad, tolerance, name)
 
 
-def test_attention_is_flex_on_cuda_and_sdpa_elsewhere_by_default():
-    config = load_config("mt5-large")
-    assert config.attention == "auto"
-    assert (config.self_attention_kind("cuda"), config.self_attention_kind("cpu")) == ("flex", "sdpa")
-    dropout = load_config("mt5-large", dropout_rate=0.1)         # FlexAttention has no dropout: sdpa even on CUDA
-    assert dropout.self_attention_kind("cuda") == "sdpa"
-    for kind in ("sdpa", "flex"):                                 # an explicit choice holds on every device
+@pytest.mark.parametrize("capability, on_cuda", [((9, 0), "triton"), ((10, 0), "triton"), ((8, 0), "flex")])
+def test_attention_by_default_is_triton_on_hopper_flex_on_older_gpus_and_sdpa_elsewhere(monkeypatch, capability,
+                                                                                        on_cuda):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: capability)
+    model_module.triton_attention_measured.cache_clear()
+    try:
+        config = load_config("mt5-large")
+        assert config.attention == "auto"
+        assert (config.self_attention_kind("cuda"), config.self_attention_kind("cpu")) == (on_cuda, "sdpa")
+        dropout = load_config("mt5-large", dropout_rate=0.1)     # neither kernel has dropout: sdpa even on CUDA
+        assert dropout.self_attention_kind("cuda") == "sdpa"
+    finally:
+        model_module.triton_attention_measured.cache_clear()
+
+
+def test_an_explicit_attention_holds_on_every_device():
+    for kind in ("sdpa", "flex"):
         chosen = build("t5-tiny", attention=kind).config
         assert (chosen.self_attention_kind("cuda"), chosen.self_attention_kind("cpu")) == (kind, kind)
 
