@@ -28,10 +28,6 @@ Variants: hf, hf-compile (transformers, eager / whole-model torch.compile); ours
 `compile_regions`); ours-compile-flex (`compile_regions` with `attention="flex"`: the self-attentions by
 FlexAttention, the position bias added inside the kernel; CUDA only, PyTorch has no FlexAttention backward on CPU);
 ours-compile-triton (`attention="triton"`: our kernels, pretrain/model/relative_attention.py; CUDA only).
-FP8 (issue 19; pretrain/model/fp8.py, torchao): `ours-fp8` (eager; a CPU smoke test, emulated) and
-`ours-compile-triton-fp8[-RECIPE][-ffn]`: the block linears (`-ffn`: the FFN's only) as FP8 GEMMs by torchao's
-recipe `tensorwise` (no RECIPE), `rowwise` or `gwhp` (rowwise with the weight gradient in bf16). MFU stays against
-the bf16 peak for them, so that it compares with the bf16 variants'.
 """
 
 from __future__ import annotations
@@ -52,15 +48,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pretrain.metrics import peak_tflops_for  # noqa: E402
 from pretrain.model.flops import count_parameters, train_step_flops  # noqa: E402
-from pretrain.model.fp8 import convert_to_fp8  # noqa: E402
 from pretrain.model.hf import to_hf  # noqa: E402
 from pretrain.model.t5 import T5Model, build  # noqa: E402
 
-FP8_VARIANTS = tuple(f"ours-compile-triton-fp8{recipe}{layers}" for recipe in ("", "-rowwise", "-gwhp")
-                     for layers in ("", "-ffn"))
-VARIANTS = ("hf", "hf-compile", "ours", "ours-compile", "ours-compile-flex", "ours-compile-triton", "ours-fp8",
-            *FP8_VARIANTS)
-FP8_RECIPES = {"rowwise": "rowwise", "gwhp": "rowwise_with_gw_hp"}   # variant word -> torchao recipe
+VARIANTS = ("hf", "hf-compile", "ours", "ours-compile", "ours-compile-flex", "ours-compile-triton")
 
 
 def sync(device: str) -> None:
@@ -125,16 +116,7 @@ def sdpa_backends(model, args, attention: str = "sdpa") -> dict:
 
 def attention_of(variant: str) -> str:
     """T5Config.attention of one of our variants."""
-    return next((kind for kind in ("flex", "triton") if kind in variant.split("-")), "sdpa")
-
-
-def fp8_of(variant: str) -> dict | None:
-    """convert_to_fp8's recipe and layers for an FP8 variant; None for the others."""
-    words = variant.split("-")
-    if "fp8" not in words:
-        return None
-    recipe = next((FP8_RECIPES[word] for word in words if word in FP8_RECIPES), "tensorwise")
-    return {"recipe": recipe, "layers": "ffn" if "ffn" in words else "all"}
+    return next((kind for kind in ("flex", "triton") if variant.endswith(f"-{kind}")), "sdpa")
 
 
 def make_step(variant: str, model, batch):
@@ -158,9 +140,8 @@ def make_step(variant: str, model, batch):
     return step
 
 
-def prepare(variant: str, ours_cpu, device: str, token_counts: tuple[int, ...] = ()):
-    """A bf16 copy of the model for `variant` on `device`, with ours_cpu's weights (HF variants via to_hf); FP8
-    variants with their block linears converted (token_counts: the GEMMs' row counts, see convert_to_fp8)."""
+def prepare(variant: str, ours_cpu, device: str):
+    """A bf16 copy of the model for `variant` on `device`, with ours_cpu's weights (HF variants via to_hf)."""
     if variant.startswith("hf"):
         model = to_hf(ours_cpu)
     else:
@@ -168,8 +149,6 @@ def prepare(variant: str, ours_cpu, device: str, token_counts: tuple[int, ...] =
             model = T5Model(dataclasses.replace(ours_cpu.config, attention=attention_of(variant)))
         model.load_state_dict(ours_cpu.state_dict())
     model = model.to(device=device, dtype=torch.bfloat16).train()
-    if fp8_of(variant):
-        convert_to_fp8(model, device, token_counts=token_counts, **fp8_of(variant))
     if "-compile" in variant:
         if variant.startswith("hf"):
             model = torch.compile(model, dynamic=False)
@@ -183,8 +162,7 @@ def start_variant(variant, ours_cpu, batch, args) -> dict:
     first loss, the first step's seconds and the peak memory it added to what was allocated before it was built."""
     device = args.device
     held = torch.cuda.memory_allocated() if device == "cuda" else 0   # other variants' models (--rounds)
-    size = batch[0].shape[0]
-    model = prepare(variant, ours_cpu, device, (size * args.input_length, size * args.target_length))
+    model = prepare(variant, ours_cpu, device)
     step = make_step(variant, model, batch)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()

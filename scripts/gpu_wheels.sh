@@ -2,8 +2,8 @@
 # Build the wheels a GPU machine without registry access needs to run `pretrain`/`study` (it already has
 # torch, numpy, pyarrow, tokenizers, transformers, matplotlib, tensorboard, psutil, ninja, msgpack, einops,
 # py-cpuinfo, pyyaml, tqdm): a pure-python DeepSpeed (ops JIT-built there on first use), the cp312 wheels
-# of DeepSpeed's remaining requirements, tabulate (deepspeed --autotuning) and torchao (bench_model_gpu.py's FP8
-# variants; abi3, its float8 training is pure python). Output: ./.whl (git-ignored), well under the 64 MiB carry limit.
+# of DeepSpeed's remaining requirements and tabulate (deepspeed --autotuning). Output: ./.whl (git-ignored), well
+# under the 64 MiB carry limit.
 #
 #   ./scripts/gpu_wheels.sh            # then, on the GPU machine:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
@@ -19,6 +19,4 @@ for req in hjson pydantic pydantic_core annotated-types typing-inspection typing
   .venv/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]}" -d .whl "$req==$version"
 done
-.venv/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  "${platforms[@]}" -d .whl "torchao==${TORCHAO_VERSION:-0.18.0}"
 ls -la .whl && du -sh .whl
