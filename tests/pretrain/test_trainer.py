@@ -132,6 +132,7 @@ def test_every_zero_stage_gives_the_same_losses_and_the_loss_falls(runs):
     assert stop3["parameters"] / 2 <= stop3["local_parameters"] < stop3["parameters"] / 2 + 100, stop3
     ref_init = json.loads((runs.dir("ref") / "config.json").read_text())["model_init"]
     assert ref_init["local_parameters"] == ref_init["parameters"] == stop3["parameters"]
+    assert ref_init["attention"] == stop3["attention"] == "sdpa"     # what `auto` resolved to on the CPU
     estimate = json.loads((runs.dir("stop3") / "config.json").read_text())["memory_estimate"]
     assert "zero_init=True" in estimate["method"]
 
