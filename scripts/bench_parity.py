@@ -21,10 +21,12 @@ reference is the eager run).
 
 Printed (and written to OUT/parity.md, the curves to OUT/parity.png, every loss to OUT/parity.json): the mean
 loss of each variant per window of `--window` steps, each variant's last window against the reference (HF eager,
-or `pretrain` eager with --pretrain) in %, the per-window max |difference| to the reference, and the noise
-reference: the spread of HF compiled against HF eager (the same math, another kernel order), per-window max
-|diff| over all windows and seeds. A variant whose gap to the reference exceeds that spread systematically (the
-same sign in every window) trains differently. `--device cpu --model t5-tiny --steps 20 --window 5` is a smoke test.
+or `pretrain` eager with --pretrain) in %, its gap to the reference over all windows and seeds as the max |gap|,
+the mean gap (an offset) and the mean |gap|, and the noise reference: the spread of HF compiled against HF eager
+(the same math, another kernel order), per-window max |diff| over all windows and seeds, with the count of each
+variant's windows outside it. A variant whose gap to the reference exceeds that spread systematically (the same
+sign in every window, or an offset beyond HF compiled's) trains differently; one extreme window does not decide
+alone (over 4 seeds, two runs of the same code and seed differed by 0.1 in a window, docs/model.md). `--device cpu --model t5-tiny --steps 20 --window 5` is a smoke test.
 `--jobs N` runs N of the (seed, variant) runs at once, each its own process on the same device (the same weights
 and batches as alone; kernels are chosen per process, not by load): on an H200 the eager variants leave most of
 the GPU idle (HF eager runs at ~15% MFU).
