@@ -26,7 +26,8 @@ the mean gap (an offset) and the mean |gap|, and the noise reference: the spread
 (the same math, another kernel order), per-window max |diff| over all windows and seeds, with the count of each
 variant's windows outside it. A variant whose gap to the reference exceeds that spread systematically (the same
 sign in every window, or an offset beyond HF compiled's) trains differently; one extreme window does not decide
-alone (over 4 seeds, two runs of the same code and seed differed by 0.1 in a window, docs/model.md). `--device cpu --model t5-tiny --steps 20 --window 5` is a smoke test.
+alone (over 4 seeds, two runs of the same code and seed differed by 0.1 in a window, docs/model.md).
+`--device cpu --model t5-tiny --steps 20 --window 5` is a smoke test.
 `--jobs N` runs N of the (seed, variant) runs at once, each its own process on the same device (the same weights
 and batches as alone; kernels are chosen per process, not by load): on an H200 the eager variants leave most of
 the GPU idle (HF eager runs at ~15% MFU).
