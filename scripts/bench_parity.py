@@ -224,45 +224,42 @@ def window_means(losses: list[float], window: int) -> list[float]:
 
 def tabulate(results: dict, variants: list[str], reference: str, window: int, steps: int) -> tuple[str, dict]:
     """The per-window table (mean over seeds of the window means), the last window vs `reference` in %, each
-    variant's per-window max |gap| to the reference (over seeds), and the HF compiled vs HF eager spread."""
+    variant's gap to the reference over windows and seeds (max |gap|, mean gap, mean |gap|), and with HF eager as
+    the reference the HF compiled vs HF eager spread with each variant's windows outside it."""
     seeds = sorted(results)
     means = {v: np.mean([window_means(results[s][v]["losses"], window) for s in seeds], axis=0) for v in variants}
     gaps = {v: np.array([np.subtract(window_means(results[s][v]["losses"], window),
                                      window_means(results[s][reference]["losses"], window)) for s in seeds])
             for v in variants}
     starts = list(range(0, steps, window))
+    others = [v for v in variants if v != reference]
+
+    def row(label: str, value) -> str:   # one table row: value(variant) per column, "-" under the reference
+        return f"| {label} | " + " | ".join("-" if v == reference else value(v) for v in variants) + " |"
     lines = [f"| loss, mean of steps | {' | '.join(variants)} |", "|---" * (len(variants) + 1) + "|"]
     for i, first in enumerate(starts):
         lines.append(f"| {first}-{min(first + window, steps) - 1} | "
                      + " | ".join(f"{means[v][i]:.4f}" for v in variants) + " |")
-    lines.append(f"| last window vs {reference} | " + " | ".join(
-        "-" if v == reference else f"{100 * (means[v][-1] / means[reference][-1] - 1):+.2f}%" for v in variants) + " |")
-    lines.append(f"| max abs gap to {reference}, any window | " + " | ".join(
-        "-" if v == reference else f"{np.abs(gaps[v]).max():.4f}" for v in variants) + " |")
-    lines.append(f"| windows above {reference} | " + " | ".join(
-        "-" if v == reference else f"{int((gaps[v].mean(axis=0) > 0).sum())}/{len(starts)}" for v in variants) + " |")
-    lines.append(f"| mean gap to {reference} (offset), all windows and seeds | " + " | ".join(
-        "-" if v == reference else f"{gaps[v].mean():+.4f}" for v in variants) + " |")
-    lines.append(f"| mean abs gap to {reference} | " + " | ".join(
-        "-" if v == reference else f"{np.abs(gaps[v]).mean():.4f}" for v in variants) + " |")
     summary = {"window_means": {v: means[v].tolist() for v in variants},
-               "max_abs_gap": {v: float(np.abs(gaps[v]).max()) for v in variants if v != reference},
-               "mean_gap": {v: float(gaps[v].mean()) for v in variants if v != reference},
-               "mean_abs_gap": {v: float(np.abs(gaps[v]).mean()) for v in variants if v != reference}}
-    if "hf" in variants and "hf-compile" in variants:
-        spread = np.abs(gaps["hf-compile"]) if reference == "hf" else np.abs(np.array(
-            [np.subtract(window_means(results[s]["hf-compile"]["losses"], window),
-                         window_means(results[s]["hf"]["losses"], window)) for s in seeds]))
+               "max_abs_gap": {v: float(np.abs(gaps[v]).max()) for v in others},
+               "mean_gap": {v: float(gaps[v].mean()) for v in others},
+               "mean_abs_gap": {v: float(np.abs(gaps[v]).mean()) for v in others}}
+    lines += [row(f"last window vs {reference}", lambda v: f"{100 * (means[v][-1] / means[reference][-1] - 1):+.2f}%"),
+              row(f"max abs gap to {reference}, any window", lambda v: f"{summary['max_abs_gap'][v]:.4f}"),
+              row(f"windows above {reference}", lambda v: f"{int((gaps[v].mean(axis=0) > 0).sum())}/{len(starts)}"),
+              row(f"mean gap to {reference} (offset), all windows and seeds",
+                  lambda v: f"{summary['mean_gap'][v]:+.4f}"),
+              row(f"mean abs gap to {reference}", lambda v: f"{summary['mean_abs_gap'][v]:.4f}")]
+    note = ""
+    if reference == "hf" and "hf-compile" in variants:   # main's reference whenever HF eager runs
+        spread = np.abs(gaps["hf-compile"])
         summary["hf_compile_spread"] = float(spread.max())
-        summary["windows_outside_spread"] = {v: int((np.abs(gaps[v]) > spread.max()).sum())
-                                             for v in variants if v != reference}
-        lines.append(f"| windows outside the spread (of {gaps[reference].size}) | " + " | ".join(
-            "-" if v == reference else str(summary["windows_outside_spread"][v]) for v in variants) + " |")
-        text = "\n".join(lines)
-        text += (f"\n\nnoise reference: HF compiled vs HF eager, per-window max |diff| over {len(starts)} windows x "
-                 f"{len(seeds)} seed(s): {spread.max():.4f} (mean {spread.mean():.4f})")
-    else:
-        text = "\n".join(lines)
+        summary["windows_outside_spread"] = {v: int((np.abs(gaps[v]) > spread.max()).sum()) for v in others}
+        lines.append(row(f"windows outside the spread (of {gaps[reference].size})",
+                         lambda v: str(summary["windows_outside_spread"][v])))
+        note = (f"\n\nnoise reference: HF compiled vs HF eager, per-window max |diff| over {len(starts)} windows x "
+                f"{len(seeds)} seed(s): {spread.max():.4f} (mean {spread.mean():.4f})")
+    text = "\n".join(lines) + note
     return text, summary
 
 
