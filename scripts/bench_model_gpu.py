@@ -75,19 +75,37 @@ def matmul_ceiling_tflops(device: str, size: int, repeats: int = 10) -> float:
 
 
 def profile(step, args, name: str) -> None:
-    """Top GPU kernels of 3 steps (torch.profiler) -> OUT/profile-NAME.txt, the top 15 printed."""
+    """Top GPU kernels of 3 steps (torch.profiler) -> OUT/profile-NAME.txt, the top 15 printed; on CUDA also the
+    kernel time per step by family (pretrain/profiling.py's FAMILIES, as `pretrain --profile-steps` counts them)
+    -> OUT/profile-NAME.json, printed as one line."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     sort_by = "self_cpu_time_total"
     if args.device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
         sort_by = "self_cuda_time_total"
+    steps = 3
     with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(3):
+        for _ in range(steps):
             step()
         sync(args.device)
     table = prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=90)
     (Path(args.out) / f"profile-{name}.txt").write_text(table)
     print("\n".join(table.splitlines()[:18]), flush=True)
+    if args.device != "cuda":
+        return
+    import tempfile
+
+    from pretrain.profiling import summarize_trace
+    with tempfile.TemporaryDirectory() as tmp:        # the trace is tens of MB: only its summary is kept
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        summary = summarize_trace(f"{tmp}/trace.json")
+    summary["steps"] = steps
+    summary["per_step_ms"] = {family: round(1e3 * info["seconds"] / steps, 2)
+                              for family, info in summary["families"].items()}
+    (Path(args.out) / f"profile-{name}.json").write_text(json.dumps(summary, indent=2))
+    print(f"profile {name}, kernel ms per step by family: " + ", ".join(
+        f"{family} {ms}" for family, ms in summary["per_step_ms"].items())
+        + f"; device busy {100 * summary['device_busy_share']:.1f}% of the traced steps", flush=True)
 
 
 def sdpa_backends(model, args, attention: str = "sdpa") -> dict:
