@@ -42,7 +42,7 @@ FORWARD_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
                  for m, n, w, s in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3),
                                     (128, 32, 4, 4), (64, 128, 4, 3), (128, 64, 4, 2)]]
 KV_SWEEP = [dict(BLOCK=b, num_warps=w, num_stages=s)
-            for b, w, s in [(64, 4, 2), (64, 4, 3), (64, 8, 2), (64, 4, 1), (64, 8, 3), (32, 4, 3)]]
+            for b, w, s in [(64, 4, 3), (64, 4, 2), (64, 8, 2), (64, 4, 1), (128, 8, 2), (32, 4, 3)]]
 Q_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
            for m, n, w, s in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2), (128, 64, 4, 2),
                               (128, 128, 8, 2)]]

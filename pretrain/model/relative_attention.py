@@ -7,9 +7,10 @@ decoder's are causal (j <= i). The position bias of T5 depends on the offset j -
 kernels read it from a [H, 2L - 1] vector per head (`Stack.offset_bias`: the bucket table looked up per offset) and
 never hold an [H, L, L] bias; FlexAttention reads a dense [H, L, L] fp32 bias for every batch row and, in backward,
 adds each score's gradient into it atomically (docs/model.md). Here the backward sums the gradient of each score
-tile along its diagonals (one offset each) inside the kernel and stores those 2 x BLOCK sums per tile, each where
-no other tile of its program writes; the sum over key blocks and batch rows is one plain reduction afterwards. No
-atomics: the gradients are the same bit for bit from run to run.
+tile along its diagonals (one offset each) inside the kernel; a program's tiles fill one row of sums (one per offset
+it sees), and the sum over batch rows and key blocks is two plain reductions afterwards. No atomics: the gradients
+are the same bit for bit from run to run. Where the length is a whole number of blocks (the encoder's 512) the
+kernels load, store and score without masks.
 
 The kernels take the fused q|k|v projection as it comes out of its matmul ([B, L, 3, H, D] in memory) and write
 the output as [B, L, H, D] and the gradient of q|k|v as one [B, L, 3, H, D] tensor: no permute or copy around them.
@@ -29,6 +30,7 @@ import json
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -82,32 +84,51 @@ def _head_pointers(QKV, BIAS, KEY_BIAS, stride_b, stride_bias_h, stride_kb, num_
 
 
 @triton.jit
-def _load_rows(base, rows, stride, length, HEAD_DIM: tl.constexpr):
-    """[rows, HEAD_DIM] of one head from a [L, ...] layout whose rows are `stride` apart; zeros past `length`."""
-    return tl.load(base + rows[:, None] * stride + tl.arange(0, HEAD_DIM)[None, :], mask=rows[:, None] < length,
-                   other=0.0)
+def _load_rows(base, rows, stride, length, HEAD_DIM: tl.constexpr, EVEN: tl.constexpr):
+    """[rows, HEAD_DIM] of one head from a [L, ...] layout whose rows are `stride` apart; zeros past `length` (EVEN:
+    every row is inside it, no mask)."""
+    pointers = base + rows[:, None] * stride + tl.arange(0, HEAD_DIM)[None, :]
+    if EVEN:
+        return tl.load(pointers)
+    return tl.load(pointers, mask=rows[:, None] < length, other=0.0)
 
 
 @triton.jit
-def _store_rows(base, rows, stride, length, values, HEAD_DIM: tl.constexpr):
-    tl.store(base + rows[:, None] * stride + tl.arange(0, HEAD_DIM)[None, :], values.to(base.dtype.element_ty),
-             mask=rows[:, None] < length)
+def _store_rows(base, rows, stride, length, values, HEAD_DIM: tl.constexpr, EVEN: tl.constexpr):
+    pointers = base + rows[:, None] * stride + tl.arange(0, HEAD_DIM)[None, :]
+    if EVEN:
+        tl.store(pointers, values.to(base.dtype.element_ty))
+    else:
+        tl.store(pointers, values.to(base.dtype.element_ty), mask=rows[:, None] < length)
+
+
+@triton.jit
+def _load_vector(base, index, length, EVEN: tl.constexpr):
+    """base[index] in fp32, zeros past `length` (EVEN: no mask)."""
+    if EVEN:
+        return tl.load(base + index)
+    return tl.load(base + index, mask=index < length, other=0.0)
 
 
 @triton.jit
 def _scores(a, b, bias_row, key_bias_row, query_idx, key_idx, length,
-            CAUSAL: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr):
-    """(a @ b^T plus the position bias (and the key bias) of each (query, key) of the tile, where a key may be seen:
-    inside the length, and in the decoder not after the query). query_idx and key_idx are broadcast to the tile:
-    [M, 1] and [1, N] for a [queries, keys] tile, [1, M] and [N, 1] for a [keys, queries] one."""
-    valid = key_idx < length
-    if CAUSAL:
-        valid = valid & (key_idx <= query_idx)
+            CAUSAL: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr):
+    """a @ b^T plus the position bias (and the key bias) of each (query, key) of the tile, -inf where a key may not
+    be seen: past the length (not with EVEN: the length is a whole number of blocks) and, in the decoder, after the
+    query. query_idx and key_idx are broadcast to the tile: [M, 1] and [1, N] for a [queries, keys] tile, [1, M]
+    and [N, 1] for a [keys, queries] one. Rows of queries past the length get finite scores (never stored)."""
     s = tl.dot(a, tl.trans(b), input_precision=PRECISION)
-    s += tl.load(bias_row + key_idx - query_idx, mask=valid & (query_idx < length), other=0.0)
+    if EVEN:
+        s += tl.load(bias_row + key_idx - query_idx)
+    else:
+        s += tl.load(bias_row + key_idx - query_idx, mask=(key_idx < length) & (query_idx < length), other=0.0)
     if HAS_KEY_BIAS:
-        s += tl.load(key_bias_row + key_idx, mask=key_idx < length, other=0.0)
-    return s, valid
+        s += _load_vector(key_bias_row, key_idx, length, EVEN)
+    if CAUSAL:
+        s = tl.where(key_idx <= query_idx, s, float("-inf"))
+    if not EVEN:
+        s = tl.where(key_idx < length, s, float("-inf"))
+    return s
 
 
 @triton.jit
@@ -115,33 +136,46 @@ def _attn_fwd_kernel(QKV, BIAS, KEY_BIAS, OUT, LSE,
                      stride_b, stride_l, stride_ob, stride_ol, stride_bias_h, stride_kb, stride_lse_bh,
                      num_heads, length,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     CAUSAL: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr):
-    """One program: BLOCK_M queries of one (batch row, head), every key block, online softmax."""
+                     CAUSAL: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr):
+    """One program: BLOCK_M queries of one (batch row, head), every key block, online softmax in base 2 (the
+    scores' scale folded into the exponent's fused multiply-add)."""
     bh, b, h, base, bias_row, key_bias_row = _head_pointers(QKV, BIAS, KEY_BIAS, stride_b, stride_bias_h, stride_kb,
                                                             num_heads, length, HEAD_DIM)
     start_m = tl.program_id(0) * BLOCK_M
     queries = start_m + tl.arange(0, BLOCK_M)
     inner = num_heads * HEAD_DIM
-    q = _load_rows(base, queries, stride_l, length, HEAD_DIM)
+    q = _load_rows(base, queries, stride_l, length, HEAD_DIM, EVEN)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     end_n = start_m + BLOCK_M if CAUSAL else length   # causal: the keys up to the last query; masked past length
     for start_n in range(0, end_n, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        k = _load_rows(base + inner, keys, stride_l, length, HEAD_DIM)
-        v = _load_rows(base + 2 * inner, keys, stride_l, length, HEAD_DIM)
-        s, valid = _scores(q, k, bias_row, key_bias_row, queries[:, None], keys[None, :], length,
-                           CAUSAL, HAS_KEY_BIAS, PRECISION)
-        s = tl.where(valid, s * LOG2E, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
+        k = _load_rows(base + inner, keys, stride_l, length, HEAD_DIM, EVEN)
+        v = _load_rows(base + 2 * inner, keys, stride_l, length, HEAD_DIM, EVEN)
+        s = _scores(q, k, bias_row, key_bias_row, queries[:, None], keys[None, :], length,
+                    CAUSAL, HAS_KEY_BIAS, PRECISION, EVEN)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * LOG2E)
+        p = tl.exp2(s * LOG2E - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    _store_rows(OUT + b * stride_ob + h * HEAD_DIM, queries, stride_ol, length, acc / l_i[:, None], HEAD_DIM)
-    tl.store(LSE + bh * stride_lse_bh + queries, m_i + tl.log2(l_i), mask=queries < length)
+    _store_rows(OUT + b * stride_ob + h * HEAD_DIM, queries, stride_ol, length, acc / l_i[:, None], HEAD_DIM, EVEN)
+    if EVEN:
+        tl.store(LSE + bh * stride_lse_bh + queries, m_i + tl.log2(l_i))
+    else:
+        tl.store(LSE + bh * stride_lse_bh + queries, m_i + tl.log2(l_i), mask=queries < length)
+
+
+@triton.jit
+def _probabilities(s, lse, query_idx, length, EVEN: tl.constexpr):
+    """The softmax's probabilities of a score tile from the forward's log-sum-exp (base 2); zero for queries past
+    the length (their lse is not stored), which EVEN has none of."""
+    p = tl.exp2(s * LOG2E - lse)
+    if not EVEN:
+        p = tl.where(query_idx < length, p, 0.0)
+    return p
 
 
 @triton.jit
@@ -149,12 +183,14 @@ def _attn_bwd_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS,
                         stride_b, stride_l, stride_db, stride_dl, stride_ob, stride_ol, stride_bias_h, stride_kb,
                         stride_lse_bh, num_heads, length, num_blocks,
                         HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
-                        HAS_KEY_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr):
-    """One program: BLOCK keys of one (batch row, head), every query block: dk, dv, and per score tile the sums of
-    its gradient along each diagonal (one key - query offset each). DIAGONALS [B, key blocks, 2, H, 2P] (P: the
-    length padded to BLOCK) holds them at index offset + P - 1: a tile's diagonals at offsets up to 0 from its corner
-    in part 0, the others in part 1, so that the tiles of one program never write the same element (BIAS_GRAD off:
-    none written)."""
+                        HAS_KEY_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr,
+                        EVEN: tl.constexpr):
+    """One program: BLOCK keys of one (batch row, head), every query block: dk, dv, and the sums of the score
+    gradient along each diagonal (one key - query offset each) over its tiles. DIAGONALS [B, H, key blocks, P +
+    BLOCK] (P: the length padded to BLOCK) holds them at index offset - start_n + P - 1: the program's offsets fill
+    its row exactly. A tile's diagonals at offsets up to 0 from its corner fall where the next tile's others do, so
+    each is carried to the next tile and stored once, added (causal: zeros where tiles above the diagonal are
+    skipped). BIAS_GRAD off: none written."""
     bh, b, h, base, bias_row, key_bias_row = _head_pointers(QKV, BIAS, KEY_BIAS, stride_b, stride_bias_h, stride_kb,
                                                             num_heads, length, HEAD_DIM)
     block_n = tl.program_id(0)
@@ -162,29 +198,31 @@ def _attn_bwd_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS,
     keys = start_n + tl.arange(0, BLOCK)
     inner = num_heads * HEAD_DIM
     dout_base = DOUT + b * stride_ob + h * HEAD_DIM
-    k = _load_rows(base + inner, keys, stride_l, length, HEAD_DIM)
-    v = _load_rows(base + 2 * inner, keys, stride_l, length, HEAD_DIM)
+    k = _load_rows(base + inner, keys, stride_l, length, HEAD_DIM, EVEN)
+    v = _load_rows(base + 2 * inner, keys, stride_l, length, HEAD_DIM, EVEN)
     dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     rows = tl.arange(0, BLOCK)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
     skew = (rows + cols) % BLOCK                 # skewed[r, c] = tile[r, (r + c) % BLOCK]
     wrapped = rows + cols >= BLOCK
-    slots = tl.arange(0, BLOCK)
-    row_width = 2 * num_blocks * BLOCK
-    below_row = DIAGONALS + ((b * num_blocks + block_n) * 2 * num_heads + h) * row_width
-    above_row = below_row + num_heads * row_width
+    padded = num_blocks * BLOCK
+    diagonal_row = DIAGONALS + ((b * num_heads + h) * num_blocks + block_n) * (padded + BLOCK)
+    top = padded + BLOCK - 1 - tl.arange(0, BLOCK)   # where the diagonals after the corner of tile 0 go; tile m: - start_m
     first_m = start_n if CAUSAL else 0             # causal: the tiles above the diagonal are all masked
+    if BIAS_GRAD:
+        for start_m in range(0, first_m, BLOCK):
+            tl.store(diagonal_row + top - start_m, tl.zeros([BLOCK], tl.float32))
+    carried = tl.zeros([BLOCK], tl.float32)        # the previous tile's diagonals up to its corner
     for start_m in range(first_m, length, BLOCK):
         queries = start_m + tl.arange(0, BLOCK)
-        q = _load_rows(base, queries, stride_l, length, HEAD_DIM)
-        do = _load_rows(dout_base, queries, stride_ol, length, HEAD_DIM)
-        lse = tl.load(LSE + bh * stride_lse_bh + queries, mask=queries < length, other=0.0)
-        delta = tl.load(DELTA + bh * stride_lse_bh + queries, mask=queries < length, other=0.0)
-        s_t, valid = _scores(k, q, bias_row, key_bias_row, queries[None, :], keys[:, None], length,
-                             CAUSAL, HAS_KEY_BIAS, PRECISION)                  # [keys, queries]
-        valid = valid & (queries[None, :] < length)
-        p_t = tl.where(valid, tl.exp2(s_t * LOG2E - lse[None, :]), 0.0)
+        q = _load_rows(base, queries, stride_l, length, HEAD_DIM, EVEN)
+        do = _load_rows(dout_base, queries, stride_ol, length, HEAD_DIM, EVEN)
+        lse = _load_vector(LSE + bh * stride_lse_bh, queries, length, EVEN)
+        delta = _load_vector(DELTA + bh * stride_lse_bh, queries, length, EVEN)
+        s_t = _scores(k, q, bias_row, key_bias_row, queries[None, :], keys[:, None], length,
+                      CAUSAL, HAS_KEY_BIAS, PRECISION, EVEN)                  # [keys, queries]
+        p_t = _probabilities(s_t, lse[None, :], queries[None, :], length, EVEN)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -194,13 +232,14 @@ def _attn_bwd_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS,
             # BLOCK, BLOCK - c where it wrapped; column sums of each part are the diagonal sums
             skewed = tl.gather(ds_t, skew, axis=1)
             below = tl.sum(tl.where(wrapped, 0.0, skewed), 0)              # offset corner - c
-            above = tl.sum(tl.where(wrapped, skewed, 0.0), 0)              # offset corner + BLOCK - c (c > 0)
-            corner = start_n - start_m + num_blocks * BLOCK - 1            # index of the tile's corner offset
-            tl.store(below_row + corner - slots, below)
-            tl.store(above_row + corner + BLOCK - slots, above, mask=slots > 0)
+            above = tl.sum(tl.where(wrapped, skewed, 0.0), 0)              # offset corner + BLOCK - c (0 at c = 0)
+            tl.store(diagonal_row + top - start_m, carried + above)        # the previous tile's corner - c: the same
+            carried = below
+    if BIAS_GRAD:
+        tl.store(diagonal_row + top - padded, carried)
     grad_base = DQKV + b * stride_db + h * HEAD_DIM
-    _store_rows(grad_base + inner, keys, stride_dl, length, dk, HEAD_DIM)
-    _store_rows(grad_base + 2 * inner, keys, stride_dl, length, dv, HEAD_DIM)
+    _store_rows(grad_base + inner, keys, stride_dl, length, dk, HEAD_DIM, EVEN)
+    _store_rows(grad_base + 2 * inner, keys, stride_dl, length, dv, HEAD_DIM, EVEN)
 
 
 @triton.jit
@@ -208,42 +247,42 @@ def _attn_bwd_q_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV,
                        stride_b, stride_l, stride_db, stride_dl, stride_ob, stride_ol, stride_bias_h, stride_kb,
                        stride_lse_bh, num_heads, length,
                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       CAUSAL: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr):
+                       CAUSAL: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                       EVEN: tl.constexpr):
     """One program: BLOCK_M queries of one (batch row, head), every key block: dq."""
     bh, b, h, base, bias_row, key_bias_row = _head_pointers(QKV, BIAS, KEY_BIAS, stride_b, stride_bias_h, stride_kb,
                                                             num_heads, length, HEAD_DIM)
     start_m = tl.program_id(0) * BLOCK_M
     queries = start_m + tl.arange(0, BLOCK_M)
     inner = num_heads * HEAD_DIM
-    q = _load_rows(base, queries, stride_l, length, HEAD_DIM)
-    do = _load_rows(DOUT + b * stride_ob + h * HEAD_DIM, queries, stride_ol, length, HEAD_DIM)
-    lse = tl.load(LSE + bh * stride_lse_bh + queries, mask=queries < length, other=0.0)
-    delta = tl.load(DELTA + bh * stride_lse_bh + queries, mask=queries < length, other=0.0)
+    q = _load_rows(base, queries, stride_l, length, HEAD_DIM, EVEN)
+    do = _load_rows(DOUT + b * stride_ob + h * HEAD_DIM, queries, stride_ol, length, HEAD_DIM, EVEN)
+    lse = _load_vector(LSE + bh * stride_lse_bh, queries, length, EVEN)
+    delta = _load_vector(DELTA + bh * stride_lse_bh, queries, length, EVEN)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     end_n = start_m + BLOCK_M if CAUSAL else length   # causal: the keys up to the last query; masked past length
     for start_n in range(0, end_n, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        k = _load_rows(base + inner, keys, stride_l, length, HEAD_DIM)
-        v = _load_rows(base + 2 * inner, keys, stride_l, length, HEAD_DIM)
-        s, valid = _scores(q, k, bias_row, key_bias_row, queries[:, None], keys[None, :], length,
-                           CAUSAL, HAS_KEY_BIAS, PRECISION)
-        valid = valid & (queries[:, None] < length)
-        p = tl.where(valid, tl.exp2(s * LOG2E - lse[:, None]), 0.0)
+        k = _load_rows(base + inner, keys, stride_l, length, HEAD_DIM, EVEN)
+        v = _load_rows(base + 2 * inner, keys, stride_l, length, HEAD_DIM, EVEN)
+        s = _scores(q, k, bias_row, key_bias_row, queries[:, None], keys[None, :], length,
+                    CAUSAL, HAS_KEY_BIAS, PRECISION, EVEN)
+        p = _probabilities(s, lse[:, None], queries[:, None], length, EVEN)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    _store_rows(DQKV + b * stride_db + h * HEAD_DIM, queries, stride_dl, length, dq, HEAD_DIM)
+    _store_rows(DQKV + b * stride_db + h * HEAD_DIM, queries, stride_dl, length, dq, HEAD_DIM, EVEN)
 
 
 @triton.jit
 def _attn_bwd_delta_kernel(OUT, DOUT, DELTA, stride_ob, stride_ol, stride_lse_bh, num_heads, length,
-                           HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+                           HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr):
     """delta[b, h, i] = sum_d out[b, i, h, d] * dout[b, i, h, d] in fp32 (the softmax backward's row term)."""
     bh, b, h = _head_of_program(num_heads)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     offset = b * stride_ob + h * HEAD_DIM
-    out = _load_rows(OUT + offset, rows, stride_ol, length, HEAD_DIM).to(tl.float32)
-    dout = _load_rows(DOUT + offset, rows, stride_ol, length, HEAD_DIM).to(tl.float32)
+    out = _load_rows(OUT + offset, rows, stride_ol, length, HEAD_DIM, EVEN).to(tl.float32)
+    dout = _load_rows(DOUT + offset, rows, stride_ol, length, HEAD_DIM, EVEN).to(tl.float32)
     tl.store(DELTA + bh * stride_lse_bh + rows, tl.sum(out * dout, 1), mask=rows < length)
 
 
@@ -252,6 +291,23 @@ def _attn_bwd_delta_kernel(OUT, DOUT, DELTA, stride_ob, stride_ol, stride_lse_bh
 def _precision(dtype: torch.dtype) -> str:
     """fp32 inputs multiply in full fp32 (the tests compare against fp32 references); bf16/fp16 as they are."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _sum_diagonals(diagonals: torch.Tensor, length: int, block: int) -> torch.Tensor:
+    """[H, 2L - 1] bias gradient (offsets -(L-1)..L-1) of the kernel's rows [B, H, key blocks, P + BLOCK], key block
+    n's at offset - n * BLOCK + P - 1: summed over batch rows, then each key block's row shifted by n * BLOCK and
+    summed, by padding each row with P zeros and reading the flat rows P + BLOCK shorter (row n then starts n * BLOCK
+    later). Fixed-order sums, no atomics: the same bits every run."""
+    per_block = diagonals.sum(0)                                       # [H, n, P + BLOCK]
+    heads, num_blocks, width = per_block.shape
+    padded = width - block
+    shifted = F.pad(per_block, (0, padded)).view(heads, -1)[:, :num_blocks * 2 * padded]
+    return shifted.view(heads, num_blocks, 2 * padded).sum(1)[:, padded - length: padded + length - 1].contiguous()
+
+
+def _even(length: int, *blocks: int) -> bool:
+    """Whether `length` is a whole number of each block: the kernels then load, store and score without masks."""
+    return all(length % block == 0 for block in blocks)
 
 
 def _key_bias_args(key_bias: torch.Tensor | None, like: torch.Tensor):
@@ -275,7 +331,8 @@ def _forward(qkv: torch.Tensor, bias_by_offset: torch.Tensor, key_bias: torch.Te
                            qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1), bias_by_offset.stride(0),
                            stride_kb, lse.stride(1), num_heads, length,
                            HEAD_DIM=head_dim, CAUSAL=causal, HAS_KEY_BIAS=has_key_bias,
-                           PRECISION=_precision(qkv.dtype), **config)
+                           PRECISION=_precision(qkv.dtype), EVEN=_even(length, config["BLOCK_M"], config["BLOCK_N"]),
+                           **config)
     return out, lse
 
 
@@ -295,31 +352,29 @@ def _backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: tor
     dout = dout.contiguous()                      # the same [B, L, H * D] layout as out
     delta = torch.empty_like(lse)                 # [B, H, L] fp32: rowsum(dO * O)
     _attn_bwd_delta_kernel[(triton.cdiv(length, 64), batch * num_heads)](
-        out, dout, delta, out.stride(0), out.stride(1), lse.stride(1), num_heads, length, HEAD_DIM=head_dim, BLOCK=64)
+        out, dout, delta, out.stride(0), out.stride(1), lse.stride(1), num_heads, length, HEAD_DIM=head_dim, BLOCK=64,
+        EVEN=_even(length, 64))
     dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
     key_bias_arg, stride_kb, has_key_bias = _key_bias_args(key_bias, bias_by_offset)
     kv_config, q_config = dict(BACKWARD_KV), dict(BACKWARD_Q)
     block = kv_config["BLOCK"]
     num_blocks = triton.cdiv(length, block)
     padded = num_blocks * block
-    # what no program writes (the rest of each row; causal: the tiles above the diagonal) must be zero
-    diagonals = torch.zeros((batch, num_blocks, 2, num_heads, 2 * padded) if bias_grad else (1,),
-                            dtype=torch.float32, device=qkv.device)
+    diagonals = torch.empty((batch, num_heads, num_blocks, padded + block) if bias_grad else (1,),
+                            dtype=torch.float32, device=qkv.device)     # every element written by the kernel
     common = dict(HEAD_DIM=head_dim, CAUSAL=causal, HAS_KEY_BIAS=has_key_bias, PRECISION=_precision(qkv.dtype))
     kv_config["BIAS_GRAD"] = bias_grad
     strides = (qkv.stride(0), qkv.stride(1), dqkv.stride(0), dqkv.stride(1), dout.stride(0), dout.stride(1),
                bias_by_offset.stride(0), stride_kb, lse.stride(1))
     _attn_bwd_kv_kernel[(num_blocks, batch * num_heads)](
         qkv, bias_by_offset, key_bias_arg, dout, lse, delta, dqkv, diagonals, *strides, num_heads, length,
-        num_blocks, **common, **kv_config)
+        num_blocks, **common, EVEN=_even(length, block), **kv_config)
     _attn_bwd_q_kernel[(triton.cdiv(length, q_config["BLOCK_M"]), batch * num_heads)](
         qkv, bias_by_offset, key_bias_arg, dout, lse, delta, dqkv, *strides, num_heads, length,
-        **common, **q_config)
+        **common, EVEN=_even(length, q_config["BLOCK_M"], q_config["BLOCK_N"]), **q_config)
     if not bias_grad:
         return dqkv, torch.zeros_like(bias_by_offset)
-    # one fixed-order sum over batch rows, key blocks and the two parts: deterministic; offsets -(L-1)..L-1
-    dbias = diagonals.view(-1, num_heads, 2 * padded).sum(0)[:, padded - length: padded + length - 1]
-    return dqkv, dbias.contiguous()
+    return dqkv, _sum_diagonals(diagonals, length, block)
 
 
 @_backward.register_fake

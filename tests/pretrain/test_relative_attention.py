@@ -70,6 +70,8 @@ def run_both(batch, length, heads, head_dim, causal, with_key_bias, seed, dtype=
     (2, 9, 2, 16, True, False),       # the decoder: causal
     (1, 130, 2, 16, False, True),     # three key blocks, a partial one; a padding bias
     (2, 70, 2, 32, True, True),       # causal across blocks
+    (2, 128, 2, 16, False, True),     # a whole number of every kernel's blocks: no masks (EVEN)
+    (1, 128, 2, 16, True, False),     # the same, causal
 ])
 def test_forward_and_every_gradient_equal_a_float64_reference(batch, length, heads, head_dim, causal, with_key_bias):
     (out, dqkv, dbias), (want_out, want_dqkv, want_dbias) = run_both(batch, length, heads, head_dim, causal,
