@@ -27,7 +27,8 @@ the equal-batch table.
 Variants: hf, hf-compile (transformers, eager / whole-model torch.compile); ours, ours-compile (eager /
 `compile_regions`); ours-compile-flex (`compile_regions` with `attention="flex"`: the self-attentions by
 FlexAttention, the position bias added inside the kernel; CUDA only, PyTorch has no FlexAttention backward on CPU);
-ours-compile-triton (`attention="triton"`: our kernels, pretrain/model/relative_attention.py; CUDA only).
+ours-compile-triton (`attention="triton"`: our kernels, pretrain/model/relative_attention.py; CUDA only);
+ours-compile-triton-slices (the same, its blocks compiled with SLICED_CAT: concatenations written into slices).
 """
 
 from __future__ import annotations
@@ -51,7 +52,12 @@ from pretrain.model.flops import count_parameters, train_step_flops  # noqa: E40
 from pretrain.model.hf import to_hf  # noqa: E402
 from pretrain.model.t5 import T5Model, build  # noqa: E402
 
-VARIANTS = ("hf", "hf-compile", "ours", "ours-compile", "ours-compile-flex", "ours-compile-triton")
+VARIANTS = ("hf", "hf-compile", "ours", "ours-compile", "ours-compile-flex", "ours-compile-triton",
+            "ours-compile-triton-slices")
+SLICED_CAT = {"max_pointwise_cat_inputs": 0, "max_complex_pointwise_cat_inputs": 0}
+"""Inductor settings of the -slices variant: a concatenation of computed tensors is written into its slices
+(ConcatKernel, whose inputs can fuse into one kernel) instead of lowered as a pointwise cat, which evaluates every
+input's expression for every element (the gated-GELU backward's gate | linear gradient, docs/model.md)."""
 
 
 def sync(device: str) -> None:
@@ -134,7 +140,7 @@ def sdpa_backends(model, args, attention: str = "sdpa") -> dict:
 
 def attention_of(variant: str) -> str:
     """T5Config.attention of one of our variants."""
-    return next((kind for kind in ("flex", "triton") if variant.endswith(f"-{kind}")), "sdpa")
+    return next((kind for kind in ("flex", "triton") if f"-{kind}" in variant), "sdpa")
 
 
 def make_step(variant: str, model, batch):
@@ -171,7 +177,11 @@ def prepare(variant: str, ours_cpu, device: str):
         if variant.startswith("hf"):
             model = torch.compile(model, dynamic=False)
         else:  # regional compilation: every block shares one compiled graph per stack type, + the loss chunk
-            model.compile_regions()
+            options = None
+            if variant.endswith("-slices"):       # the settings this torch's Inductor has
+                import torch._inductor.config as inductor_config
+                options = {key: value for key, value in SLICED_CAT.items() if hasattr(inductor_config, key)}
+            model.compile_regions(options=options)
     return model
 
 
