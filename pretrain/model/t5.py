@@ -462,7 +462,7 @@ def cross_entropy_chunk(h, weight, targets, token_weights, num_valid, with_grads
         # a comparison per element instead of a scatter: Inductor then fuses exp, the subtraction, the scaling and
         # the cast into one pass over the logits, with no fp32 probabilities written and read back (a scatter
         # must run on a materialised tensor); eager keeps the scatter, which needs no [n, V] mask
-        probs = probs - (torch.arange(probs.shape[1], device=probs.device)[None, :] == targets[:, None])
+        probs = probs - (torch.arange(probs.shape[1], device=probs.device)[None, :] == targets[:, None]).to(probs.dtype)
     else:
         probs.scatter_add_(1, targets[:, None], -torch.ones_like(token_weights)[:, None])
     grad_logits = probs.mul_((token_weights / num_valid)[:, None]).to(h.dtype)
