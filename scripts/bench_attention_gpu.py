@@ -117,10 +117,22 @@ def per_offset(dense: torch.Tensor, length: int) -> torch.Tensor:
     return summed.index_add_(1, index, dense[:, :length, :length].reshape(dense.shape[0], -1))
 
 
-def timed(fn, repeats: int = 3) -> list[float]:
-    """ms of fn: the median of do_bench's runs, `repeats` times."""
+def timed(fn, repeats: int = 3, rep: int = 100) -> list[float]:
+    """ms of fn: the median of do_bench's runs (over `rep` ms), `repeats` times."""
     from triton.testing import do_bench
-    return [do_bench(fn, warmup=25, rep=100, return_mode="median") for _ in range(repeats)]
+    return [do_bench(fn, warmup=25, rep=rep, return_mode="median") for _ in range(repeats)]
+
+
+def write_table(out_dir: Path, lines: list[str]) -> None:
+    """The markdown table to OUT/results.md, and printed last."""
+    table = "\n".join(lines)
+    (out_dir / "results.md").write_text(table + "\n")
+    print("\n" + table, flush=True)
+
+
+def spread(values) -> str:
+    """Median (min-max) of timed()'s figures, as the tables print them."""
+    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
 def forward_backward(fn, qkv, dout, bias):
@@ -233,9 +245,6 @@ def main() -> int:
             del stack, qkv, dout
             torch.cuda.empty_cache()
     (out_dir / "results.json").write_text(json.dumps(result, indent=2))
-
-    def spread(values):
-        return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
     lines = [f"{result['device']}, torch {result['torch']}, triton {result['triton']}; bf16, bias fp32; ms: median "
              f"(min-max) of 3 do_bench medians; x flex: forward + backward against flex's; errors: relative norm "
              f"of the difference (out, dqkv, dbias)",
@@ -256,9 +265,7 @@ def main() -> int:
                      f"{spread(row['forward_ms'])} | {row['forward_tflops']:.0f} | "
                      f"{spread(row['forward_backward_ms'])} | {row['forward_backward_tflops']:.0f} | {ratio:.2f} | "
                      f"{errors} | {exact} |")
-    table = "\n".join(lines)
-    (out_dir / "results.md").write_text(table + "\n")
-    print("\n" + table, flush=True)
+    write_table(out_dir, lines)
     return 0
 
 

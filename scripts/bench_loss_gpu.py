@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pretrain.model.t5 import at_least_fp32, cross_entropy_chunk, load_config  # noqa: E402
+from bench_attention_gpu import spread, timed, write_table  # noqa: E402  (this script's folder is on sys.path)
 
 
 def scatter_chunk(h, weight, targets, token_weights, num_valid, with_grads: bool):
@@ -49,7 +50,6 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=4096, help="target rows in the chunk")
     parser.add_argument("--out", default="bench_loss_out")
     args = parser.parse_args()
-    from triton.testing import do_bench
     config = load_config(args.model)
     generator = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(args.tokens, config.d_model, device="cuda", dtype=torch.bfloat16, generator=generator)
@@ -68,7 +68,7 @@ def main() -> int:
         got = compiled(*inputs)
         error = {part: ((a.float() - b.float()).norm() / b.float().norm()).item()
                  for part, a, b in zip(("loss", "dh", "dw"), got, want)} if fn is not matmuls_only else {}
-        times = [do_bench(lambda: compiled(*inputs), warmup=25, rep=200, return_mode="median") for _ in range(3)]
+        times = timed(lambda: compiled(*inputs), rep=200)
         rows.append({"variant": name, "ms": times, "tflops": flops / statistics.median(times) / 1e9,
                      "error_vs_eager": error})
         print(json.dumps(rows[-1]), flush=True)
@@ -79,14 +79,11 @@ def main() -> int:
     lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.model} loss chunk: {args.tokens} "
              f"tokens x {config.d_model} x {config.vocab_size:,} vocabulary, bf16, with gradients; ms: median "
              f"(min-max) of 3 do_bench medians", "",
-             "| variant | ms | TFLOP/s of its 3 matmuls | relative error vs eager (loss, dh, dw) |", "|---|---|---:|---|"]
-    for row in rows:
-        ms = row["ms"]
-        lines.append(f"| {row['variant']} | {statistics.median(ms):.3f} ({min(ms):.3f}-{max(ms):.3f}) | "
-                     f"{row['tflops']:.0f} | {', '.join(f'{v:.1e}' for v in row['error_vs_eager'].values())} |")
-    table = "\n".join(lines)
-    (out / "results.md").write_text(table + "\n")
-    print("\n" + table, flush=True)
+             "| variant | ms | TFLOP/s of its 3 matmuls | relative error vs eager (loss, dh, dw) |",
+             "|---|---|---:|---|"]
+    lines += [f"| {row['variant']} | {spread(row['ms'])} | {row['tflops']:.0f} | "
+              f"{', '.join(f'{v:.1e}' for v in row['error_vs_eager'].values())} |" for row in rows]
+    write_table(out, lines)
     return 0
 
 

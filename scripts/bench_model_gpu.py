@@ -140,7 +140,7 @@ def sdpa_backends(model, args, attention: str = "sdpa") -> dict:
 
 def attention_of(variant: str) -> str:
     """T5Config.attention of one of our variants."""
-    return next((kind for kind in ("flex", "triton") if f"-{kind}" in variant), "sdpa")
+    return next((kind for kind in ("flex", "triton") if kind in variant.split("-")), "sdpa")
 
 
 def make_step(variant: str, model, batch):

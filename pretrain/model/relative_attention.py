@@ -111,6 +111,15 @@ def _load_vector(base, index, length, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _store_vector(base, index, length, values, EVEN: tl.constexpr):
+    """base[index] = values where index < `length` (EVEN: every index is, no mask)."""
+    if EVEN:
+        tl.store(base + index, values)
+    else:
+        tl.store(base + index, values, mask=index < length)
+
+
+@triton.jit
 def _scores(a, b, bias_row, key_bias_row, query_idx, key_idx, length,
             CAUSAL: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr):
     """a @ b^T plus the position bias (and the key bias) of each (query, key) of the tile, -inf where a key may not
@@ -162,10 +171,7 @@ def _attn_fwd_kernel(QKV, BIAS, KEY_BIAS, OUT, LSE,
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     _store_rows(OUT + b * stride_ob + h * HEAD_DIM, queries, stride_ol, length, acc / l_i[:, None], HEAD_DIM, EVEN)
-    if EVEN:
-        tl.store(LSE + bh * stride_lse_bh + queries, m_i + tl.log2(l_i))
-    else:
-        tl.store(LSE + bh * stride_lse_bh + queries, m_i + tl.log2(l_i), mask=queries < length)
+    _store_vector(LSE + bh * stride_lse_bh, queries, length, m_i + tl.log2(l_i), EVEN)
 
 
 @triton.jit
@@ -208,7 +214,8 @@ def _attn_bwd_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS,
     wrapped = rows + cols >= BLOCK
     padded = num_blocks * BLOCK
     diagonal_row = DIAGONALS + ((b * num_heads + h) * num_blocks + block_n) * (padded + BLOCK)
-    top = padded + BLOCK - 1 - tl.arange(0, BLOCK)   # where the diagonals after the corner of tile 0 go; tile m: - start_m
+    # where tile 0's diagonals after its corner go (tile m's: start_m lower)
+    top = padded + BLOCK - 1 - tl.arange(0, BLOCK)
     first_m = start_n if CAUSAL else 0             # causal: the tiles above the diagonal are all masked
     if BIAS_GRAD:
         for start_m in range(0, first_m, BLOCK):
@@ -283,7 +290,7 @@ def _attn_bwd_delta_kernel(OUT, DOUT, DELTA, stride_ob, stride_ol, stride_lse_bh
     offset = b * stride_ob + h * HEAD_DIM
     out = _load_rows(OUT + offset, rows, stride_ol, length, HEAD_DIM, EVEN).to(tl.float32)
     dout = _load_rows(DOUT + offset, rows, stride_ol, length, HEAD_DIM, EVEN).to(tl.float32)
-    tl.store(DELTA + bh * stride_lse_bh + rows, tl.sum(out * dout, 1), mask=rows < length)
+    _store_vector(DELTA + bh * stride_lse_bh, rows, length, tl.sum(out * dout, 1), EVEN)
 
 
 # ------------------------------------------------------------------------------------------- the ops
