@@ -449,14 +449,15 @@ class Stack(nn.Module):
 # ------------------------------------------------------------------------------------- memory-lean loss
 
 def cross_entropy_chunk(h, weight, targets, token_weights, num_valid, with_grads: bool):
-    """Cross-entropy sum of one chunk of rows h [n, d] against weight [V, d]; with_grads: also the gradients
-    of the mean loss (sum / num_valid) w.r.t. h and weight. Logits exist only for this chunk."""
+    """Cross-entropy sum of one chunk of rows h [n, d] against weight [V, d]; with_grads: also the gradient of the
+    mean loss (sum / num_valid) w.r.t. the chunk's logits, [n, V] in h's dtype (its two matmuls follow in
+    `_chunked_cross_entropy`). Logits exist only for this chunk."""
     logits = at_least_fp32(h @ weight.t())                     # [n, V] fp32: the only big buffer
     log_normaliser = torch.logsumexp(logits, dim=-1)
     target_logit = logits.gather(1, targets[:, None]).squeeze(1)
     loss_sum = ((log_normaliser - target_logit) * token_weights).sum()
     if not with_grads:
-        return loss_sum, None, None
+        return loss_sum, None
     probs = logits.sub_(log_normaliser[:, None]).exp_()        # d(mean CE)/d logits = (softmax - onehot) * w / n
     if torch.compiler.is_compiling():
         # a comparison per element instead of a scatter: Inductor then fuses exp, the subtraction, the scaling and
@@ -465,26 +466,45 @@ def cross_entropy_chunk(h, weight, targets, token_weights, num_valid, with_grads
         probs = probs - (torch.arange(probs.shape[1], device=probs.device)[None, :] == targets[:, None]).to(probs.dtype)
     else:
         probs.scatter_add_(1, targets[:, None], -torch.ones_like(token_weights)[:, None])
-    grad_logits = probs.mul_((token_weights / num_valid)[:, None]).to(h.dtype)
-    return loss_sum, grad_logits @ weight, grad_logits.t() @ h
+    return loss_sum, probs.mul_((token_weights / num_valid)[:, None]).to(h.dtype)
+
+
+def _fp32_product(grad_logits: torch.Tensor, h: torch.Tensor) -> bool:
+    """Whether grad_logits^T @ h can leave the GEMM in fp32 (cuBLAS's out_dtype: 16-bit inputs, fp32 sums kept)."""
+    return (grad_logits.is_cuda and grad_logits.dtype == h.dtype and h.dtype in (torch.float16, torch.bfloat16)
+            and hasattr(torch.ops.aten.addmm, "dtype"))
+
+
+def add_weight_grad(total: torch.Tensor | None, grad_logits: torch.Tensor, h: torch.Tensor, dtype: torch.dtype):
+    """total + grad_logits^T @ h in `dtype` (the LM head's weight gradient over chunks; total None: the first). On
+    CUDA with 16-bit inputs and an fp32 total the GEMM adds its fp32 sums into the total itself (one pass, no
+    16-bit product written, rounded and added after); elsewhere the product, in the inputs' dtype, is added."""
+    if dtype == torch.float32 and _fp32_product(grad_logits, h):
+        if total is None:
+            return torch.mm(grad_logits.t(), h, out_dtype=torch.float32)
+        return torch.addmm(total, grad_logits.t(), h, out_dtype=torch.float32)
+    product = grad_logits.t() @ h
+    return product.to(dtype) if total is None else total.add_(product)
 
 
 def _chunked_cross_entropy(hidden, weight, targets, valid, chunk_tokens, with_grads, chunk_fn=cross_entropy_chunk):
     """Mean token cross-entropy over rows of hidden [N, d], walked in chunks of `chunk_tokens` rows; with_grads:
-    also its gradients w.r.t. hidden and weight [V, d], accumulated chunk by chunk (weight's in fp32)."""
+    also its gradients w.r.t. hidden and weight [V, d], the latter summed over chunks in fp32 (fp64 for fp64)."""
     loss_dtype = torch.promote_types(hidden.dtype, torch.float32)  # fp32 (fp64 for fp64 models)
     num_valid = valid.sum().clamp(min=1).to(loss_dtype)         # a tensor: no host sync
     loss_sum = torch.zeros((), dtype=loss_dtype, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if with_grads else None
-    grad_weight = torch.zeros(weight.shape, dtype=loss_dtype, device=weight.device) if with_grads else None
+    grad_weight = None
     for start in range(0, hidden.shape[0], chunk_tokens):
         stop = min(start + chunk_tokens, hidden.shape[0])
-        chunk_loss, chunk_grad_hidden, chunk_grad_weight = chunk_fn(
-            hidden[start:stop], weight, targets[start:stop], valid[start:stop].to(loss_dtype), num_valid, with_grads)
+        chunk_loss, grad_logits = chunk_fn(hidden[start:stop], weight, targets[start:stop],
+                                           valid[start:stop].to(loss_dtype), num_valid, with_grads)
         loss_sum = loss_sum + chunk_loss
         if with_grads:
-            grad_hidden[start:stop] = chunk_grad_hidden
-            grad_weight += chunk_grad_weight
+            grad_hidden[start:stop] = grad_logits @ weight
+            grad_weight = add_weight_grad(grad_weight, grad_logits, hidden[start:stop], loss_dtype)
+    if with_grads and grad_weight is None:                      # no rows
+        grad_weight = torch.zeros(weight.shape, dtype=loss_dtype, device=weight.device)
     return loss_sum / num_valid, grad_hidden, grad_weight
 
 
@@ -496,14 +516,16 @@ class _LMHeadLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, valid, chunk_tokens, chunk_fn):
         loss, grad_hidden, grad_weight = _chunked_cross_entropy(hidden, weight, targets, valid, chunk_tokens, True,
                                                                 chunk_fn)
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        ctx.save_for_backward(grad_hidden, grad_weight)         # fp32: scaled, then cast once in backward
+        ctx.weight_dtype = weight.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype), \
-            None, None, None, None
+        scaled_weight = torch.empty(grad_weight.shape, dtype=ctx.weight_dtype, device=grad_weight.device)
+        torch.mul(grad_weight, grad_loss.to(grad_weight.dtype), out=scaled_weight)   # one pass: scale and cast
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), scaled_weight, None, None, None, None
 
 
 class LMHead(nn.Module):

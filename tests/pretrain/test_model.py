@@ -90,6 +90,20 @@ def test_chunked_loss_and_its_gradients_equal_full_logits_cross_entropy():
         torch.testing.assert_close(chunked(inputs, labels=labels), loss.detach())
 
 
+def test_loss_gradients_scale_with_the_upstream_gradient_in_the_weights_dtype():
+    """The head's backward scales its fp32 weight gradient by the upstream gradient and casts it once."""
+    inputs, labels = random_batch(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        once, twice = (build("t5-tiny", seed=1, loss_chunk_tokens=7).to(dtype) for _ in range(2))
+        once(inputs, labels=labels).backward()
+        (2.5 * twice(inputs, labels=labels)).backward()
+        for (name, p), q in zip(once.named_parameters(), twice.parameters()):
+            assert q.grad.dtype == dtype, name
+            if name == "lm_head.weight":       # scaled before its one rounding: exact in fp32, near in bf16
+                torch.testing.assert_close(q.grad.float(), 2.5 * p.grad.float(), rtol=1e-2 if dtype != torch.float32
+                                           else 1e-6, atol=1e-6, msg=name)
+
+
 def test_padding_mask_makes_padded_inputs_equal_to_unpadded():
     model = build("t5-tiny", seed=2).eval()
     inputs, labels = random_batch(5, batch=1, input_length=10)
