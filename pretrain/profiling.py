@@ -77,6 +77,22 @@ def union_seconds(intervals: Iterable[tuple[float, float]]) -> float:
     return total / 1e6
 
 
+def idle_gaps(kernels: list[tuple[float, float, str]], top: int = 10) -> list[dict[str, Any]]:
+    """Where the device sat idle between kernels ([start, end) microseconds, name; every stream together): each gap
+    named by the kernel that ran before it and the one after, summed over equal pairs, the `top` largest totals."""
+    gaps: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    busy_until, last_name = None, None
+    for start, end, name in sorted(kernels):
+        if busy_until is not None and start > busy_until:
+            pair = gaps[f"{last_name[:60]} -> {name[:60]}"]
+            pair[0] += 1
+            pair[1] += (start - busy_until) / 1e6
+        if busy_until is None or end >= busy_until:
+            busy_until, last_name = end, name
+    return [{"between": pair, "gaps": count, "seconds": round(seconds, 6)}
+            for pair, (count, seconds) in sorted(gaps.items(), key=lambda kv: -kv[1][1])[:top]]
+
+
 def tally(items: Iterable[tuple[str, float]]) -> dict[str, list]:
     """{name: [calls, seconds]} of (name, duration in microseconds) pairs, in order of first appearance."""
     totals: dict[str, list] = {}
@@ -96,8 +112,8 @@ def load_trace(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def summarize_trace(path: str | os.PathLike, window_s: float | None = None, top: int = 15) -> dict[str, Any]:
-    """Device busy time by stream and kernel family, and host time in synchronisations, from a Chrome trace
-    written by torch.profiler. `window_s` is the wall time of the profiled steps (default: the span from the
+    """Device busy time by stream and kernel family, host time in synchronisations and the device's largest idle gaps
+    (by the kernels around them), from a Chrome trace written by torch.profiler. `window_s` is the wall time of the profiled steps (default: the span from the
     first to the last event in the trace)."""
     events = [e for e in load_trace(path) if e.get("ph") == "X" and "dur" in e]
     if not events:
@@ -144,6 +160,8 @@ def summarize_trace(path: str | os.PathLike, window_s: float | None = None, top:
                        sorted(syncs.items(), key=lambda kv: -kv[1][1])},
         "top_kernels": [{"name": name, "calls": calls, "seconds": round(seconds, 6)} for name, (calls, seconds) in
                         sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:top]],
+        "idle_gaps": idle_gaps([(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", "?"))
+                                for e in device], top),
     }
 
 

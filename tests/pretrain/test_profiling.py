@@ -79,6 +79,8 @@ def test_summary_of_a_synthetic_two_stream_trace(tmp_path):
     assert summary["host_phases"]["backward"] == {"calls": 1, "seconds": pytest.approx(500e-6), "share": 0.5}
     assert set(summary["host_phases"]) == {"forward", "backward", "step"}
     assert summary["top_kernels"][0]["name"] == "nvjet_gemm"
+    assert summary["idle_gaps"] == [{"between": "ncclDevKernel_AllGather -> fmha_cutlassB", "gaps": 1,
+                                     "seconds": pytest.approx(50e-6)}]       # 450-500: the NCCL kernel ended last
     line = describe(summary, steps=1)
     assert "device busy 65.0%" in line and "backward 50%" in line and "syncs 30.0%" in line
 
