@@ -28,7 +28,8 @@ Variants: hf, hf-compile (transformers, eager / whole-model torch.compile); ours
 `compile_regions`); ours-compile-flex (`compile_regions` with `attention="flex"`: the self-attentions by
 FlexAttention, the position bias added inside the kernel; CUDA only, PyTorch has no FlexAttention backward on CPU);
 ours-compile-triton (`attention="triton"`: our kernels, pretrain/model/relative_attention.py; CUDA only);
-ours-compile-triton-slices (the same, its blocks compiled with SLICED_CAT: concatenations written into slices).
+ours-compile-triton-torchgate (the same with `gated_gelu="torch"`: the feed-forward's gate as Inductor fuses it, not
+by our kernels of pretrain/model/gated_gelu.py; the A/B of those).
 """
 
 from __future__ import annotations
@@ -53,13 +54,7 @@ from pretrain.model.hf import to_hf  # noqa: E402
 from pretrain.model.t5 import T5Model, build  # noqa: E402
 
 VARIANTS = ("hf", "hf-compile", "ours", "ours-compile", "ours-compile-flex", "ours-compile-triton",
-            "ours-compile-triton-slices")
-SLICED_CAT = {"max_pointwise_cat_inputs": 0, "max_complex_pointwise_cat_inputs": 0}
-"""Inductor settings of the -slices variant: a concatenation of computed tensors is written into its slices
-(ConcatKernel, whose inputs can fuse into one kernel) instead of lowered as a pointwise cat, which evaluates every
-input's expression for every element (the gated-GELU backward's gate | linear gradient, docs/model.md)."""
-
-
+            "ours-compile-triton-torchgate")
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -169,19 +164,16 @@ def prepare(variant: str, ours_cpu, device: str):
     if variant.startswith("hf"):
         model = to_hf(ours_cpu)
     else:
+        gate = "torch" if variant.endswith("-torchgate") else ours_cpu.config.gated_gelu
         with torch.device(device):
-            model = T5Model(dataclasses.replace(ours_cpu.config, attention=attention_of(variant)))
+            model = T5Model(dataclasses.replace(ours_cpu.config, attention=attention_of(variant), gated_gelu=gate))
         model.load_state_dict(ours_cpu.state_dict())
     model = model.to(device=device, dtype=torch.bfloat16).train()
     if "-compile" in variant:
         if variant.startswith("hf"):
             model = torch.compile(model, dynamic=False)
         else:  # regional compilation: every block shares one compiled graph per stack type, + the loss chunk
-            options = None
-            if variant.endswith("-slices"):       # the settings this torch's Inductor has
-                import torch._inductor.config as inductor_config
-                options = {key: value for key, value in SLICED_CAT.items() if hasattr(inductor_config, key)}
-            model.compile_regions(options=options)
+            model.compile_regions()
     return model
 
 

@@ -41,6 +41,7 @@ from pipeline.common import CONFIGS_DIR, UserError
 
 MODELS_DIR = CONFIGS_DIR / "models"
 ATTENTION_KINDS = ("auto", "sdpa", "flex", "triton")   # T5Config.attention: how the self-attentions add the bias
+GATED_GELU_KINDS = ("auto", "torch", "triton")         # T5Config.gated_gelu: the feed-forward's gate
 
 
 @dataclass
@@ -67,6 +68,8 @@ class T5Config:
     loss_chunk_tokens: int = 4096  # target tokens per chunk of the LM-head loss (bounds logits memory)
     attention: str = "auto"        # self-attention kernel: "sdpa" (bias as additive mask), "flex" (FlexAttention),
     # "triton" (pretrain/model/relative_attention.py) or "auto": see self_attention_kind
+    gated_gelu: str = "auto"       # the feed-forward's gate: "torch" (F.gelu * linear, fused by torch.compile), "triton"
+    # (pretrain/model/gated_gelu.py) or "auto": see gated_gelu_kind
 
     def __post_init__(self):
         positive = ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
@@ -87,6 +90,9 @@ class T5Config:
         if self.attention not in ATTENTION_KINDS:
             raise UserError(f"model config {self.name or '?'}: attention must be one of {ATTENTION_KINDS}, "
                             f"got {self.attention!r}")
+        if self.gated_gelu not in GATED_GELU_KINDS:
+            raise UserError(f"model config {self.name or '?'}: gated_gelu must be one of {GATED_GELU_KINDS}, "
+                            f"got {self.gated_gelu!r}")
         if self.attention in ("flex", "triton") and self.dropout_rate > 0:
             raise UserError(f"model config {self.name or '?'}: attention={self.attention!r} has no dropout of "
                             f"attention probabilities; use attention='sdpa' with dropout_rate={self.dropout_rate}")
@@ -104,6 +110,14 @@ class T5Config:
             return "sdpa"
         return "triton" if triton_attention_measured() else "flex"
 
+    def gated_gelu_kind(self, device_type: str) -> str:
+        """The feed-forward's gate for inputs on `device_type`: an explicit choice as it is, else (auto) triton (our
+        two kernels: the backward's two gradients from one tanh, measured against Inductor's fused backward in
+        docs/model.md) on CUDA with Triton importable, torch elsewhere."""
+        if self.gated_gelu != "auto":
+            return self.gated_gelu
+        return "triton" if device_type == "cuda" and triton_importable() else "torch"
+
     @property
     def inner_dim(self) -> int:
         """Width of all heads together (num_heads * d_kv); need not equal d_model."""
@@ -117,8 +131,13 @@ class T5Config:
 def triton_attention_measured() -> bool:
     """Whether `attention: auto` takes our Triton kernels on this machine's CUDA device: one of compute capability
     >= 9.0 (the tile settings in relative_attention.py were swept on an H200), with Triton importable."""
+    return torch.cuda.get_device_capability() >= (9, 0) and triton_importable()
+
+
+@functools.lru_cache(maxsize=None)
+def triton_importable() -> bool:
     import importlib.util
-    return torch.cuda.get_device_capability() >= (9, 0) and importlib.util.find_spec("triton") is not None
+    return importlib.util.find_spec("triton") is not None
 
 
 def list_presets() -> list[str]:
@@ -332,17 +351,26 @@ class Attention(nn.Module):
 
 
 class GatedGeluFFN(nn.Module):
-    """wo(gelu_tanh(wi_0 x) * wi_1 x), with wi_0|wi_1 fused into one matmul."""
+    """wo(gelu_tanh(wi_0 x) * wi_1 x), with wi_0|wi_1 fused into one matmul; the gate by `config.gated_gelu_kind`."""
 
     def __init__(self, config: T5Config):
         super().__init__()
         self.wi = nn.Linear(config.d_model, 2 * config.d_ff, bias=False)
         self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
         self.dropout_rate = config.dropout_rate
+        self.config = config
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, linear = self.wi(x).chunk(2, dim=-1)
-        hidden = F.gelu(gate, approximate="tanh") * linear
+        projected = self.wi(x)
+        if self.config.gated_gelu_kind(x.device.type) == "triton":
+            if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+                raise UserError("gated_gelu='triton' runs on CUDA devices (on the CPU only in Triton's interpreter, "
+                                "TRITON_INTERPRET=1, for tests); use gated_gelu='auto' or 'torch' here")
+            from pretrain.model.gated_gelu import gated_gelu   # imports Triton: only when used
+            hidden = gated_gelu(projected)
+        else:
+            gate, linear = projected.chunk(2, dim=-1)
+            hidden = F.gelu(gate, approximate="tanh") * linear
         return self.wo(F.dropout(hidden, self.dropout_rate, self.training))
 
 
@@ -589,18 +617,17 @@ class T5Model(nn.Module):
             hidden = hidden * self.config.d_model ** -0.5
         return self.lm_head(hidden, labels)
 
-    def compile_regions(self, backend: str = "inductor", options: dict | None = None) -> "T5Model":
+    def compile_regions(self, backend: str = "inductor") -> "T5Model":
         """torch.compile each block's forward (one static graph per stack kind, shared by its blocks) and the loss
         chunk; compiles in seconds where compiling the whole model takes minutes. Returns self. (`backend`: tests
         run the compiled graphs' autograd on CPU with "aot_eager", where Inductor has no FlexAttention backward.)
 
         The forward is compiled, not the module call: module hooks stay outside the graphs. ZeRO 3 gathers a block's
         parameters in such hooks (a block is its unit of gathering, see `zero3.build_partitioned`), so the compiled
-        forward runs on whole weights and the same graphs serve every stage. `options`: Inductor settings for the
-        blocks' graphs (torch.compile's `options`; scripts/bench_model_gpu.py measures alternatives with it)."""
+        forward runs on whole weights and the same graphs serve every stage."""
         for stack in (self.encoder, self.decoder):
             for block in stack.blocks:
-                block.forward = torch.compile(block.forward, backend=backend, dynamic=False, options=options)
+                block.forward = torch.compile(block.forward, backend=backend, dynamic=False)
         self.lm_head.chunk_fn = torch.compile(cross_entropy_chunk, backend=backend, dynamic=False)
         return self
 

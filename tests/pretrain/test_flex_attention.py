@@ -22,6 +22,16 @@ from pretrain.model.t5 import build, load_config
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 
+@pytest.fixture
+def no_tf32():
+    """CUDA matmuls in full fp32 for the test. (torch.backends.cuda.matmul's flags are no plain attributes: pytest's
+    monkeypatch fails to undo them, found on an H200.)"""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous
+
+
 def random_batch(seed, batch=3, input_length=20, target_length=9, high=1000):
     generator = torch.Generator().manual_seed(seed)
     return (torch.randint(3, high, (batch, input_length), generator=generator),
@@ -201,12 +211,11 @@ def test_compiled_flex_logits_equal_sdpa_and_do_not_recompile():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled Triton FlexAttention kernels)")
 @pytest.mark.parametrize("mode", ["compile-regions", "uncompiled-checkpointed"])
-def test_compiled_flex_training_step_on_cuda(monkeypatch, mode):
+def test_compiled_flex_training_step_on_cuda(no_tf32, mode):
     """The GPU path: Inductor's flex kernels (forward, and backward with the bias gradient by atomic adds) against
     SDPA, fp32 without TF32, t5-tiny at the benchmark's lengths (512 / 114: 114 is not a multiple of the block
     size). compile-regions: the blocks compiled; uncompiled-checkpointed: only flex_attention compiled
     (`compiled_flex_attention`), under activation checkpointing."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     inputs, labels = (t.cuda() for t in random_batch(4, batch=4, input_length=512, target_length=114))
     checkpointed = mode == "uncompiled-checkpointed"
     sdpa = build("t5-tiny", seed=0, attention="sdpa", activation_checkpointing=checkpointed).cuda().train()

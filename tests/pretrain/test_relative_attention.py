@@ -23,7 +23,7 @@ import pretrain.model.t5 as model_module  # noqa: E402
 from pipeline.common import UserError  # noqa: E402
 from pretrain.model.relative_attention import relative_attention  # noqa: E402
 from pretrain.model.t5 import build, load_config  # noqa: E402
-from tests.pretrain.test_flex_attention import assert_same_outputs, forward_backward  # noqa: E402
+from tests.pretrain.test_flex_attention import assert_same_outputs, forward_backward, no_tf32  # noqa: E402,F401
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -107,11 +107,9 @@ def test_the_custom_ops_fake_kernels_and_autograd_agree_with_the_real_ones(causa
 
 
 @pytest.mark.parametrize("mode, padded", [("eager", True), ("compile-regions", False), ("checkpointed", True)])
-def test_model_with_triton_attention_equals_sdpa(monkeypatch, mode, padded):
+def test_model_with_triton_attention_equals_sdpa(monkeypatch, no_tf32, mode, padded):
     """t5-tiny in fp32: loss, logits and every parameter's gradient as the SDPA model's, 1e-5 of each tensor's
     scale. compile-regions: the blocks compiled (aot_eager on CPU), the kernels' custom ops inside the graphs."""
-    if DEVICE == "cuda":
-        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randint(3, 1000, (3, 20), generator=generator).to(DEVICE)
     labels = torch.randint(3, 1000, (3, 9), generator=generator).to(DEVICE)

@@ -1,0 +1,110 @@
+"""`gated_gelu="triton"`: the feed-forward's gate in two Triton kernels (pretrain/model/gated_gelu.py), the backward's
+two gradients from one tanh written into their halves of the fused projection's gradient.
+
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, which tests/conftest.py sets), checked
+against float64 references and against the model's torch gate; where CUDA exists, the compiled kernels in bf16.
+
+    pytest tests/pretrain/test_gated_gelu.py     # ~10 s on 2 CPU cores
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU, and Triton's interpreter was not switched on before triton was imported (tests/conftest.py "
+                "does it)", allow_module_level=True)
+
+from pipeline.common import UserError  # noqa: E402
+from pretrain.model.gated_gelu import gated_gelu  # noqa: E402
+from pretrain.model.t5 import build, load_config  # noqa: E402
+from tests.pretrain.test_flex_attention import assert_same_outputs, forward_backward, no_tf32  # noqa: E402,F401
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def reference(u):
+    gate, linear = u.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * linear
+
+
+def both(shape, dtype, seed=0):
+    """(ours, reference in float64 on the same values) as (out, du) for random u of `shape` in `dtype` and a random
+    output gradient."""
+    generator = torch.Generator().manual_seed(seed)
+    u = (torch.randn(shape, generator=generator) * 2).to(dtype).double()
+    grad = torch.randn(*shape[:-1], shape[-1] // 2, generator=generator).to(dtype).double()
+    ours = u.to(DEVICE, dtype).requires_grad_()
+    out = gated_gelu(ours)
+    out.backward(grad.to(DEVICE, dtype))
+    want_u = u.clone().requires_grad_()
+    want = reference(want_u)
+    want.backward(grad)
+    return (out, ours.grad), (want, want_u.grad)
+
+
+def relative_error(got, want):
+    return ((got.double().cpu() - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 2 * 40), (37, 2 * 300), (1, 2 * 7)])   # ragged rows and columns
+def test_forward_and_gradient_equal_a_float64_reference(shape):
+    (out, du), (want, want_du) = both(shape, torch.float32)
+    assert out.shape == want.shape and du.shape == want_du.shape and out.dtype == du.dtype == torch.float32
+    assert relative_error(out, want) < 1e-6
+    assert relative_error(du, want_du) < 1e-6
+
+
+def test_bf16_is_one_rounding_from_the_float64_reference():
+    """fp32 inside, one conversion at the end: each value within one bf16 step (2^-7 of it, which a truncating
+    conversion, as in Triton's interpreter, also keeps) of the float64 result on the same inputs."""
+    (out, du), (want, want_du) = both((4, 6, 2 * 64), torch.bfloat16, seed=1)
+    assert out.dtype == du.dtype == torch.bfloat16
+    for got, expected in ((out, want), (du, want_du)):
+        error = (got.detach().double().cpu() - expected).abs()
+        assert bool((error <= 2 ** -7 * expected.abs() + 1e-12).all())   # (tanh reaches -1 in float64 first)
+        assert relative_error(got, expected) < 2 ** -8
+
+
+def test_the_custom_ops_fake_kernels_and_autograd_agree_with_the_real_ones():
+    u = torch.randn(2, 9, 2 * 24).to(DEVICE).requires_grad_()
+    torch.library.opcheck(torch.ops.t5zero.gated_gelu.default, (u,),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    torch.library.opcheck(torch.ops.t5zero.gated_gelu_backward.default, (torch.randn(2, 9, 24).to(DEVICE), u.detach()),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile-regions"])
+def test_model_with_the_triton_gate_equals_the_torch_gate(monkeypatch, no_tf32, mode):
+    """t5-tiny in fp32: loss, logits and every parameter's gradient as with the torch gate (compile-regions: the
+    blocks compiled, aot_eager on CPU, the gate's custom ops inside the graphs)."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randint(3, 1000, (3, 20), generator=generator).to(DEVICE)
+    labels = torch.randint(3, 1000, (3, 9), generator=generator).to(DEVICE)
+    torch_gate = build("t5-tiny", seed=1, gated_gelu="torch").to(DEVICE).train()
+    ours = build("t5-tiny", seed=1, gated_gelu="triton").to(DEVICE).train()
+    calls = []
+    real = gated_gelu.__globals__["_forward"]
+    monkeypatch.setitem(gated_gelu.__globals__, "_forward", lambda u: calls.append(1) or real(u))
+    if mode == "compile-regions":
+        ours.compile_regions(backend="aot_eager" if DEVICE == "cpu" else "inductor")
+    want = forward_backward(torch_gate, inputs, labels, None)
+    got = forward_backward(ours, inputs, labels, None)
+    assert calls                                  # the model went through the Triton gate
+    assert_same_outputs(got, want, 1e-5 if DEVICE == "cpu" else 1e-4, loss_rtol=1e-5)
+
+
+def test_gated_gelu_config_errors_are_one_clear_line(monkeypatch):
+    with pytest.raises(UserError, match="gated_gelu must be one of"):
+        load_config("t5-tiny", gated_gelu="fast")
+    assert load_config("t5-tiny").gated_gelu_kind("cpu") == "torch"
+    assert load_config("t5-tiny", gated_gelu="triton").gated_gelu_kind("cpu") == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = build("t5-tiny", seed=0, gated_gelu="triton")
+    if DEVICE == "cuda":
+        return
+    with pytest.raises(UserError, match="runs on CUDA devices"):
+        model(torch.randint(3, 100, (1, 8)), labels=torch.randint(3, 100, (1, 4)))
