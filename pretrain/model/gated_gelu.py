@@ -7,8 +7,8 @@ of the gate's and the linear half's gradients, which Inductor lowers on the GPU 
 of that kernel then evaluates both halves' expressions (two tanh per element pair, each a libdevice call), and
 the kernel runs compute-bound at about 1.8 TB/s (mt5-large: 15.4 ms of a 248 ms step, docs/model.md). Here one
 program computes both gradients of a tile of element pairs from one tanh and writes each into its half: the
-kernel moves the same bytes and is bound by them. The forward is the same elementwise formula in Triton. Both are
-operators by `triton_ops.kernel_op`: under `torch.compile` Inductor launches them from its own generated code.
+kernel moves the same bytes and is bound by them. The forward is the same elementwise formula in Triton, so that
+both directions are `torch.library` custom ops that `torch.compile` keeps whole inside the compiled blocks.
 
 The math is PyTorch's tanh approximation in fp32, rounded once to the output's dtype (as Inductor's fused kernels
 do): with y = sqrt(2/pi) (g + 0.044715 g^3) and s = sigmoid(2y) = (1 + tanh y) / 2,
@@ -22,8 +22,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from pretrain.model.triton_ops import kernel_op, launch
 
 BLOCK_ROWS, BLOCK_COLUMNS, NUM_WARPS = 16, 256, 8   # 4,096 pairs a program, 16 B per thread and load
 
@@ -78,26 +76,37 @@ def _grid(rows: int, width: int) -> tuple[int, int]:
     return triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(width, BLOCK_COLUMNS)
 
 
-@kernel_op("t5zero::gated_gelu")
+@torch.library.custom_op("t5zero::gated_gelu", mutates_args=())
 def _forward(u: torch.Tensor) -> torch.Tensor:
     flat = _rows(u)
     rows, width = flat.shape[0], flat.shape[1] // 2
     out = flat.new_empty(rows, width)
     if rows and width:
-        launch(_gated_gelu_fwd_kernel, _grid(rows, width), flat, out, rows, width, flat.stride(0), out.stride(0),
-               BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLUMNS, num_warps=NUM_WARPS)
+        _gated_gelu_fwd_kernel[_grid(rows, width)](flat, out, rows, width, flat.stride(0), out.stride(0),
+                                                   BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLUMNS, num_warps=NUM_WARPS)
     return out.view(*u.shape[:-1], width)
 
 
-@kernel_op("t5zero::gated_gelu_backward")
+@_forward.register_fake
+def _(u):
+    return u.new_empty(*u.shape[:-1], u.shape[-1] // 2)
+
+
+@torch.library.custom_op("t5zero::gated_gelu_backward", mutates_args=())
 def _backward(dout: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     flat, dflat = _rows(u), _rows(dout)
     rows, width = flat.shape[0], flat.shape[1] // 2
     du = flat.new_empty(rows, 2 * width)
     if rows and width:
-        launch(_gated_gelu_bwd_kernel, _grid(rows, width), flat, dflat, du, rows, width, flat.stride(0),
-               dflat.stride(0), du.stride(0), BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLUMNS, num_warps=NUM_WARPS)
+        _gated_gelu_bwd_kernel[_grid(rows, width)](flat, dflat, du, rows, width, flat.stride(0), dflat.stride(0),
+                                                   du.stride(0), BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLUMNS,
+                                                   num_warps=NUM_WARPS)
     return du.view(u.shape)
+
+
+@_backward.register_fake
+def _(dout, u):
+    return torch.empty_like(u, memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, output):

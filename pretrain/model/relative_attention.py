@@ -16,8 +16,8 @@ The kernels take the fused q|k|v projection as it comes out of its matmul ([B, L
 the output as [B, L, H, D] and the gradient of q|k|v as one [B, L, 3, H, D] tensor: no permute or copy around them.
 Three kernels, FlashAttention-2's scheme: forward (online softmax, the log-sum-exp kept for backward); backward in
 two passes that recompute the probabilities, one per key block (dk, dv and the bias gradient), one per query block
-(dq). Both directions are operators (`triton_ops.kernel_op`): under `torch.compile` Inductor launches the kernels
-from its own generated code and compiles the sums around them with the rest of the block.
+(dq). Both directions are `torch.library` custom ops, so `torch.compile` keeps them whole inside the compiled
+blocks.
 
 Triton is imported with this module (the model imports it only for `attention: triton`). On a machine without a
 GPU the kernels run in Triton's interpreter when TRITON_INTERPRET=1 is set before this module is imported (the
@@ -33,8 +33,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from pretrain.model.triton_ops import kernel_op, launch
 
 LOG2E = tl.constexpr(1.4426950408889634)   # a constexpr: kernels read no other globals
 
@@ -326,7 +324,7 @@ def _key_bias_args(key_bias: torch.Tensor | None, like: torch.Tensor):
     return key_bias, key_bias.stride(0), True
 
 
-@kernel_op("t5zero::relative_attention_forward")
+@torch.library.custom_op("t5zero::relative_attention_forward", mutates_args=())
 def _forward(qkv: torch.Tensor, bias_by_offset: torch.Tensor, key_bias: torch.Tensor | None, num_heads: int,
              causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     batch, length, width = qkv.shape
@@ -336,14 +334,23 @@ def _forward(qkv: torch.Tensor, bias_by_offset: torch.Tensor, key_bias: torch.Te
     key_bias_arg, stride_kb, has_key_bias = _key_bias_args(key_bias, bias_by_offset)
     config = dict(FORWARD)
     grid = (triton.cdiv(length, config["BLOCK_M"]), batch * num_heads)
-    launch(_attn_fwd_kernel, grid, qkv, bias_by_offset, key_bias_arg, out, lse,
-           qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1), bias_by_offset.stride(0), stride_kb,
-           lse.stride(1), num_heads, length, HEAD_DIM=head_dim, CAUSAL=causal, HAS_KEY_BIAS=has_key_bias,
-           PRECISION=_precision(qkv.dtype), EVEN=_even(length, config["BLOCK_M"], config["BLOCK_N"]), **config)
+    _attn_fwd_kernel[grid](qkv, bias_by_offset, key_bias_arg, out, lse,
+                           qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1), bias_by_offset.stride(0),
+                           stride_kb, lse.stride(1), num_heads, length,
+                           HEAD_DIM=head_dim, CAUSAL=causal, HAS_KEY_BIAS=has_key_bias,
+                           PRECISION=_precision(qkv.dtype), EVEN=_even(length, config["BLOCK_M"], config["BLOCK_N"]),
+                           **config)
     return out, lse
 
 
-@kernel_op("t5zero::relative_attention_backward")
+@_forward.register_fake
+def _(qkv, bias_by_offset, key_bias, num_heads, causal):
+    batch, length, width = qkv.shape
+    return (qkv.new_empty(batch, length, width // 3),
+            qkv.new_empty(batch, num_heads, length, dtype=torch.float32))
+
+
+@torch.library.custom_op("t5zero::relative_attention_backward", mutates_args=())
 def _backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
               bias_by_offset: torch.Tensor, key_bias: torch.Tensor | None, num_heads: int, causal: bool,
               bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -351,9 +358,9 @@ def _backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: tor
     head_dim = width // (3 * num_heads)
     dout = dout.contiguous()                      # the same [B, L, H * D] layout as out
     delta = torch.empty_like(lse)                 # [B, H, L] fp32: rowsum(dO * O)
-    launch(_attn_bwd_delta_kernel, (triton.cdiv(length, 64), batch * num_heads),
-           out, dout, delta, out.stride(0), out.stride(1), lse.stride(1), num_heads, length, HEAD_DIM=head_dim,
-           BLOCK=64, EVEN=_even(length, 64))
+    _attn_bwd_delta_kernel[(triton.cdiv(length, 64), batch * num_heads)](
+        out, dout, delta, out.stride(0), out.stride(1), lse.stride(1), num_heads, length, HEAD_DIM=head_dim, BLOCK=64,
+        EVEN=_even(length, 64))
     dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
     key_bias_arg, stride_kb, has_key_bias = _key_bias_args(key_bias, bias_by_offset)
     kv_config, q_config = dict(BACKWARD_KV), dict(BACKWARD_Q)
@@ -366,15 +373,20 @@ def _backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: tor
     kv_config["BIAS_GRAD"] = bias_grad
     strides = (qkv.stride(0), qkv.stride(1), dqkv.stride(0), dqkv.stride(1), dout.stride(0), dout.stride(1),
                bias_by_offset.stride(0), stride_kb, lse.stride(1))
-    launch(_attn_bwd_kv_kernel, (num_blocks, batch * num_heads),
-           qkv, bias_by_offset, key_bias_arg, dout, lse, delta, dqkv, diagonals, *strides, num_heads, length,
-           num_blocks, **common, EVEN=_even(length, block), **kv_config)
-    launch(_attn_bwd_q_kernel, (triton.cdiv(length, q_config["BLOCK_M"]), batch * num_heads),
-           qkv, bias_by_offset, key_bias_arg, dout, lse, delta, dqkv, *strides, num_heads, length,
-           **common, EVEN=_even(length, q_config["BLOCK_M"], q_config["BLOCK_N"]), **q_config)
+    _attn_bwd_kv_kernel[(num_blocks, batch * num_heads)](
+        qkv, bias_by_offset, key_bias_arg, dout, lse, delta, dqkv, diagonals, *strides, num_heads, length,
+        num_blocks, **common, EVEN=_even(length, block), **kv_config)
+    _attn_bwd_q_kernel[(triton.cdiv(length, q_config["BLOCK_M"]), batch * num_heads)](
+        qkv, bias_by_offset, key_bias_arg, dout, lse, delta, dqkv, *strides, num_heads, length,
+        **common, EVEN=_even(length, q_config["BLOCK_M"], q_config["BLOCK_N"]), **q_config)
     if not bias_grad:
         return dqkv, torch.zeros_like(bias_by_offset)
     return dqkv, _sum_diagonals(diagonals, length, block)
+
+
+@_backward.register_fake
+def _(dout, qkv, out, lse, bias_by_offset, key_bias, num_heads, causal, bias_grad):
+    return torch.empty_like(qkv, memory_format=torch.contiguous_format), torch.empty_like(bias_by_offset)
 
 
 def _setup_context(ctx, inputs, output):
