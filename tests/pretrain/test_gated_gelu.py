@@ -7,23 +7,18 @@ against float64 references and against the model's torch gate; where CUDA exists
     pytest tests/pretrain/test_gated_gelu.py     # ~10 s on 2 CPU cores
 """
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-triton = pytest.importorskip("triton")
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no GPU, and Triton's interpreter was not switched on before triton was imported (tests/conftest.py "
-                "does it)", allow_module_level=True)
+from tests.pretrain.triton_kernels import DEVICE, require_kernels
+
+require_kernels()
 
 from pipeline.common import UserError  # noqa: E402
 from pretrain.model.gated_gelu import gated_gelu  # noqa: E402
 from pretrain.model.t5 import build, load_config  # noqa: E402
 from tests.pretrain.test_flex_attention import assert_same_outputs, forward_backward, no_tf32  # noqa: E402,F401
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def reference(u):

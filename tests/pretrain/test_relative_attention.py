@@ -9,23 +9,18 @@ against SDPA in fp32 and bf16 at the pretraining lengths (512 / 114).
     pytest tests/pretrain/test_relative_attention.py     # ~30 s on 2 CPU cores
 """
 
-import os
-
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no GPU, and Triton's interpreter was not switched on before triton was imported (tests/conftest.py "
-                "does it)", allow_module_level=True)
+from tests.pretrain.triton_kernels import DEVICE, require_kernels
+
+require_kernels()
 
 import pretrain.model.t5 as model_module  # noqa: E402
 from pipeline.common import UserError  # noqa: E402
 from pretrain.model.relative_attention import relative_attention  # noqa: E402
 from pretrain.model.t5 import build, load_config  # noqa: E402
 from tests.pretrain.test_flex_attention import assert_same_outputs, forward_backward, no_tf32  # noqa: E402,F401
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def reference(qkv, bias_by_offset, num_heads, causal, key_bias=None):
