@@ -113,8 +113,8 @@ def load_trace(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 def summarize_trace(path: str | os.PathLike, window_s: float | None = None, top: int = 15) -> dict[str, Any]:
     """Device busy time by stream and kernel family, host time in synchronisations and the device's largest idle gaps
-    (by the kernels around them), from a Chrome trace written by torch.profiler. `window_s` is the wall time of the profiled steps (default: the span from the
-    first to the last event in the trace)."""
+    (by the kernels around them), from a Chrome trace written by torch.profiler. `window_s` is the wall time of the
+    profiled steps (default: the span from the first to the last event in the trace)."""
     events = [e for e in load_trace(path) if e.get("ph") == "X" and "dur" in e]
     if not events:
         return {"window_s": window_s, "device_events": 0}

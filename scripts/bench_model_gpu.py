@@ -55,6 +55,8 @@ from pretrain.model.t5 import T5Model, build  # noqa: E402
 
 VARIANTS = ("hf", "hf-compile", "ours", "ours-compile", "ours-compile-flex", "ours-compile-triton",
             "ours-compile-triton-torchgate")
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()

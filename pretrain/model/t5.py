@@ -140,6 +140,14 @@ def triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def require_kernel_device(setting: str, device_type: str, instead: str) -> None:
+    """`setting`='triton' (our Triton kernels) for tensors on `device_type`: one clear line off CUDA, except under
+    Triton's interpreter (TRITON_INTERPRET=1), where the tests run the kernels on the CPU."""
+    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise UserError(f"{setting}='triton' runs on CUDA devices (on the CPU only in Triton's interpreter, "
+                        f"TRITON_INTERPRET=1, for tests); use {setting}='auto' or {instead!r} here")
+
+
 def list_presets() -> list[str]:
     """Names of the presets in configs/models/ (e.g. 't5-tiny', 'mt5-base')."""
     return sorted(path.stem for path in MODELS_DIR.glob("*.yaml"))
@@ -357,21 +365,18 @@ class GatedGeluFFN(nn.Module):
         super().__init__()
         self.wi = nn.Linear(config.d_model, 2 * config.d_ff, bias=False)
         self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
-        self.dropout_rate = config.dropout_rate
         self.config = config
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         projected = self.wi(x)
         if self.config.gated_gelu_kind(x.device.type) == "triton":
-            if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-                raise UserError("gated_gelu='triton' runs on CUDA devices (on the CPU only in Triton's interpreter, "
-                                "TRITON_INTERPRET=1, for tests); use gated_gelu='auto' or 'torch' here")
+            require_kernel_device("gated_gelu", x.device.type, instead="torch")
             from pretrain.model.gated_gelu import gated_gelu   # imports Triton: only when used
             hidden = gated_gelu(projected)
         else:
             gate, linear = projected.chunk(2, dim=-1)
             hidden = F.gelu(gate, approximate="tanh") * linear
-        return self.wo(F.dropout(hidden, self.dropout_rate, self.training))
+        return self.wo(F.dropout(hidden, self.config.dropout_rate, self.training))
 
 
 class Block(nn.Module):
@@ -442,9 +447,7 @@ class Stack(nn.Module):
 
     def offset_self_attention_bias(self, length: int, padding_bias: torch.Tensor | None) -> OffsetBias:
         """This stack's self-attention bias for the Triton kernels (see `OffsetBias`)."""
-        if self.relative_attention_bias.weight.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise UserError("attention='triton' runs on CUDA devices (on the CPU only in Triton's interpreter, "
-                            "TRITON_INTERPRET=1, for tests); use attention='auto' or 'sdpa' here")
+        require_kernel_device("attention", self.relative_attention_bias.weight.device.type, instead="sdpa")
         try:
             from pretrain.model.relative_attention import relative_attention   # imports Triton: only when used
         except ImportError as error:

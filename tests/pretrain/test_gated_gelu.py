@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.pretrain.triton_kernels import DEVICE, require_kernels
+from tests.pretrain.triton_kernels import DEVICE, relative_error, require_kernels
 
 require_kernels()
 
@@ -39,10 +39,6 @@ def both(shape, dtype, seed=0):
     want = reference(want_u)
     want.backward(grad)
     return (out, ours.grad), (want, want_u.grad)
-
-
-def relative_error(got, want):
-    return ((got.double().cpu() - want).norm() / want.norm()).item()
 
 
 @pytest.mark.parametrize("shape", [(3, 5, 2 * 40), (37, 2 * 300), (1, 2 * 7)])   # ragged rows and columns

@@ -12,7 +12,7 @@ against SDPA in fp32 and bf16 at the pretraining lengths (512 / 114).
 import pytest
 import torch
 
-from tests.pretrain.triton_kernels import DEVICE, require_kernels
+from tests.pretrain.triton_kernels import DEVICE, relative_error, require_kernels
 
 require_kernels()
 
@@ -35,10 +35,6 @@ def reference(qkv, bias_by_offset, num_heads, causal, key_bias=None):
     if causal:
         scores = scores.masked_fill(j > i, float("-inf"))
     return (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, length, -1)
-
-
-def relative_error(got, want):
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
 def run_both(batch, length, heads, head_dim, causal, with_key_bias, seed, dtype=torch.float32):
