@@ -142,10 +142,14 @@ def triton_importable() -> bool:
 
 def require_kernel_device(setting: str, device_type: str, instead: str) -> None:
     """`setting`='triton' (our Triton kernels) for tensors on `device_type`: one clear line off CUDA, except under
-    Triton's interpreter (TRITON_INTERPRET=1), where the tests run the kernels on the CPU."""
+    Triton's interpreter (TRITON_INTERPRET=1), where the tests run the kernels on the CPU, or without the triton
+    package."""
     if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise UserError(f"{setting}='triton' runs on CUDA devices (on the CPU only in Triton's interpreter, "
                         f"TRITON_INTERPRET=1, for tests); use {setting}='auto' or {instead!r} here")
+    if not triton_importable():
+        raise UserError(f"{setting}='triton' needs the triton package, which this Python cannot import (CUDA builds "
+                        f"of torch bring it: pip install triton); use {setting}='auto' or {instead!r} here")
 
 
 def list_presets() -> list[str]:

@@ -155,6 +155,18 @@ def test_tied_embeddings_share_one_parameter_and_rescale():
     assert model.shared.weight.grad is not None
 
 
+@pytest.mark.parametrize("setting", ["attention", "gated_gelu"])
+def test_our_triton_kernels_without_triton_are_one_clear_line(monkeypatch, setting):
+    """An explicit `triton` on a machine whose Python cannot import the triton package (stood in for by its import
+    check: the suite has triton): one line naming the setting and its fix, not an ImportError's traceback."""
+    import pretrain.model.t5 as t5
+    monkeypatch.setenv("TRITON_INTERPRET", "1")            # past the device check, on the CPU
+    monkeypatch.setattr(t5, "triton_importable", lambda: False)
+    model = build("t5-tiny", seed=0, **{setting: "triton"})
+    with pytest.raises(UserError, match=f"{setting}='triton' needs the triton package"):
+        model(torch.randint(3, 100, (1, 8)), labels=torch.randint(3, 100, (1, 4)))
+
+
 def test_it_learns_a_fixed_batch(real_tokens):
     torch.manual_seed(0)  # AdamW has no randomness; this only pins any library default
     model = build("t5-tiny", seed=0)
