@@ -29,7 +29,14 @@ Variants: hf, hf-compile (transformers, eager / whole-model torch.compile); ours
 FlexAttention, the position bias added inside the kernel; CUDA only, PyTorch has no FlexAttention backward on CPU);
 ours-compile-triton (`attention="triton"`: our kernels, pretrain/model/relative_attention.py; CUDA only);
 ours-compile-triton-torchgate (the same with `gated_gelu="torch"`: the feed-forward's gate as Inductor fuses it, not
-by our kernels of pretrain/model/gated_gelu.py; the A/B of those).
+by our kernels of pretrain/model/gated_gelu.py; the A/B of those); ours-compile-triton-graphed (the same step captured
+whole in one CUDA graph and replayed: a diagnostic of what the host's launches cost, CUDA only; `pretrain` does not
+do this).
+
+`--profile VARIANT` traces 3 steps twice: with host events (the op table, kernel time by family) and with device
+activity only (the host's pace close to an untraced run's: the device's busy share and its idle gaps, named by the
+kernels around them), then times them back to back with one synchronisation (as a loop that does not read its loss
+every step runs them).
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ from pretrain.model.hf import to_hf  # noqa: E402
 from pretrain.model.t5 import T5Model, build  # noqa: E402
 
 VARIANTS = ("hf", "hf-compile", "ours", "ours-compile", "ours-compile-flex", "ours-compile-triton",
-            "ours-compile-triton-torchgate")
+            "ours-compile-triton-torchgate", "ours-compile-triton-graphed")
 
 
 def sync(device: str) -> None:
@@ -105,10 +112,47 @@ def profile(step, args, name: str) -> None:
     summary["steps"] = steps
     summary["per_step_ms"] = {family: round(1e3 * info["seconds"] / steps, 2)
                               for family, info in summary["families"].items()}
+    summary["device_only"] = device_only_profile(step, steps)
     (Path(args.out) / f"profile-{name}.json").write_text(json.dumps(summary, indent=2))
     print(f"profile {name}, kernel ms per step by family: " + ", ".join(
         f"{family} {ms}" for family, ms in summary["per_step_ms"].items())
         + f"; device busy {100 * summary['device_busy_share']:.1f}% of the traced steps", flush=True)
+    only = summary["device_only"]
+    print(f"profile {name}, device activity only: {only['ms_per_step']:.1f} ms a step traced, kernels "
+          f"{only['kernel_ms_per_step']:.1f} ms, device busy {100 * only['device_busy_share']:.1f}%; "
+          f"untraced and unsynchronised between steps: {only['back_to_back_ms_per_step']:.1f} ms a step; "
+          f"largest idle gaps: " + "; ".join(f"{g['seconds'] * 1e3 / steps:.2f} ms/step ({g['gaps'] // steps}x) "
+                                           f"{g['between']}" for g in only["idle_gaps"][:6]), flush=True)
+
+
+def device_only_profile(step, steps: int) -> dict:
+    """The device's view of `steps` steps with only CUDA activity traced (no host op events: the host's pace stays
+    close to an untraced run's, so the device's idle gaps are the real ones, named by the kernels around them), and
+    the same steps untraced back to back with one synchronisation at the end (the step as a training loop that does
+    not read its loss every step runs it). Milliseconds per step."""
+    import tempfile
+
+    from pretrain.profiling import summarize_trace
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        window = time.perf_counter() - start
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        summary = summarize_trace(f"{tmp}/trace.json", window, top=12)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    back_to_back = (time.perf_counter() - start) / steps
+    return {"ms_per_step": 1e3 * window / steps, "back_to_back_ms_per_step": 1e3 * back_to_back,
+            "kernel_ms_per_step": 1e3 * sum(f["seconds"] for f in summary["families"].values()) / steps,
+            "device_busy_share": summary["device_busy_share"], "idle_gaps": summary["idle_gaps"],
+            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),   # each one frees and syncs
+            "top_kernels": summary["top_kernels"]}
 
 
 def sdpa_backends(model, args, attention: str = "sdpa") -> dict:
@@ -149,8 +193,9 @@ def make_step(variant: str, model, batch):
     else:
         def forward():
             return model(input_ids, labels=labels)
+    graphed = variant.endswith("-graphed")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0,
-                                  fused=input_ids.device.type == "cuda")
+                                  fused=input_ids.device.type == "cuda", capturable=graphed)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -158,7 +203,33 @@ def make_step(variant: str, model, batch):
         loss.backward()
         optimizer.step()
         return loss
-    return step
+    return graphed_step(step, optimizer) if graphed else step
+
+
+def graphed_step(step, optimizer):
+    """`step` captured whole (forward, backward, optimizer) in one CUDA graph on its first call, after 3 eager steps
+    on a side stream (which compile); every call then replays it and returns the graph's loss tensor. A diagnostic:
+    the step with no host launches and no gaps between kernels that the host causes."""
+    captured = {}
+
+    def replay():
+        if not captured:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()                  # the side stream's cached blocks (a step's activations)
+            optimizer.zero_grad(set_to_none=True)     # the captured backward allocates the grads in the graph's pool
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                loss = step()
+            captured.update(graph=graph, loss=loss)
+        captured["graph"].replay()
+        return captured["loss"]
+    return replay
 
 
 def prepare(variant: str, ours_cpu, device: str):
