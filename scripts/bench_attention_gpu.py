@@ -6,13 +6,15 @@ bias; a floor, not an alternative).
 
 Per model (preset:batch) two shapes: the encoder's (512 queries, bidirectional buckets) and the decoder's (114,
 causal), the heads and head size of the preset, bf16 inputs laid out as the model's fused q|k|v projection, the
-position bias in fp32 with its gradient. Variants: `triton` (pretrain/model/relative_attention.py), `triton-nograd`
-(the bias without a gradient: what the bias-gradient diagonals cost), `flex` (the model's `flex_self_attention` on a
+position bias in fp32 with its gradient. Variants: `triton` (pretrain/model/relative_attention.py, as the model calls
+it: score tiles whose offsets all lie in T5's last bucket summed whole), `triton-perdiagonal` (every tile summed along
+its diagonals, `saturate=0`), `triton-nograd` (the bias without a gradient: what the bias gradient costs), `flex` (the model's `flex_self_attention` on a
 `FlexBias`, as `attention: flex` runs it, compiled), `flex-nograd`, `sdpa-nobias`. Each is timed by
 `triton.testing.do_bench` (median of its repeats) three times: median (min-max) of the three. TFLOP/s counts the
 matmuls of forward (4 B H L^2 D) and backward (2.5x forward), causal masking not subtracted. Before timing, each
 variant's output and gradients are compared with `triton`'s and with the same attention computed in float64 from
-the same inputs (relative norm of the difference): the second says which variant rounds more in bf16.
+the same inputs (relative norm of the difference; the bias gradient as the bucket table gets it, summed per
+bucket): the second says which variant rounds more in bf16.
 
 `--sweep` first times our kernels under a few block shapes and launch settings on the first model's encoder shape,
 prints each, and keeps the fastest of each kernel for the rest of the run (the defaults in relative_attention.py
@@ -46,7 +48,7 @@ KV_SWEEP = [dict(BLOCK=b, num_warps=w, num_stages=s)
 Q_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
            for m, n, w, s in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2), (128, 64, 4, 2),
                               (128, 128, 8, 2)]]
-VARIANTS = ("triton", "triton-nograd", "flex", "flex-nograd", "sdpa-nobias")
+VARIANTS = ("triton", "triton-perdiagonal", "triton-nograd", "flex", "flex-nograd", "sdpa-nobias")
 
 
 def make_case(preset: str, batch: int, decoder: bool, seed: int = 0):
@@ -83,7 +85,8 @@ def runner(variant: str, config, stack, qkv, length: int, decoder: bool):
     grad = not variant.endswith("-nograd")
     if variant.startswith("triton"):
         bias = stack.relative_attention_bias(length, length, by_offset=True).detach().requires_grad_(grad)
-        return lambda: kernels.relative_attention(qkv, bias, heads, decoder), bias
+        saturate = 0 if variant == "triton-perdiagonal" else stack.relative_attention_bias.saturate
+        return lambda: kernels.relative_attention(qkv, bias, heads, decoder, saturate=saturate), bias
     if variant.startswith("flex"):
         flex_bias = stack.flex_self_attention_bias(length, None)
         flex_bias = flex_bias._replace(position=flex_bias.position.detach().requires_grad_(grad))
@@ -105,7 +108,17 @@ def exact_outputs(config, stack, qkv, dout, length: int, decoder: bool):
         scores = scores.masked_fill(future, float("-inf"))
     out = merge_heads(scores.softmax(-1) @ v)
     out.backward(dout.double())
-    return out.detach(), leaf.grad, per_offset(bias.grad, length)
+    return out.detach(), leaf.grad, per_bucket(per_offset(bias.grad, length), stack, length)
+
+
+def per_bucket(dbias: torch.Tensor, stack, length: int) -> torch.Tensor:
+    """A bias gradient per key - query offset [H, 2L - 1] summed into the buckets it reaches, [H, buckets]: what the
+    bucket table gets (with `saturate`, ours is exact as such sums, not per offset)."""
+    bias = stack.relative_attention_bias
+    offsets = torch.arange(1 - length, length, device=dbias.device)
+    buckets = t5.relative_position_bucket(offsets, bias.bidirectional, bias.num_buckets, bias.max_distance)
+    return torch.zeros(dbias.shape[0], bias.num_buckets, dtype=dbias.dtype, device=dbias.device).index_add_(
+        1, buckets, dbias)
 
 
 def per_offset(dense: torch.Tensor, length: int) -> torch.Tensor:
@@ -144,9 +157,9 @@ def forward_backward(fn, qkv, dout, bias):
     return step
 
 
-def outputs(fn, qkv, dout, bias):
-    """(out, d qkv, d bias per key - query offset [H, 2L - 1]) in float64; d bias None where the bias has no
-    gradient. FlexAttention's dense [H, P, P] bias gradient is summed along its diagonals (over the true length)."""
+def outputs(fn, qkv, dout, bias, stack):
+    """(out, d qkv, d bias per bucket [H, buckets]) in float64; d bias None where the bias has no gradient.
+    FlexAttention's dense [H, P, P] bias gradient is summed along its diagonals (over the true length) first."""
     forward_backward(fn, qkv, dout, bias)()
     out = fn().detach().double()
     dbias = None
@@ -154,6 +167,7 @@ def outputs(fn, qkv, dout, bias):
         dbias = bias.grad.double()
         if dbias.dim() == 3:
             dbias = per_offset(dbias, qkv.shape[1])
+        dbias = per_bucket(dbias, stack, qkv.shape[1])
     return out, qkv.grad.double(), dbias
 
 
@@ -221,7 +235,7 @@ def main() -> int:
                 row = {"model": preset, "batch": batch, "attention": "decoder" if decoder else "encoder",
                        "length": length, "heads": config.num_heads, "variant": variant}
                 try:
-                    got = outputs(fn, qkv, dout, bias)
+                    got = outputs(fn, qkv, dout, bias, stack)
                     if reference is None:
                         reference = got
                     row["error_vs_triton"] = {name: relative(a, b) for name, a, b in

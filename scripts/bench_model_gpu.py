@@ -31,7 +31,8 @@ ours-compile-triton (`attention="triton"`: our kernels, pretrain/model/relative_
 ours-compile-triton-torchgate (the same with `gated_gelu="torch"`: the feed-forward's gate as Inductor fuses it, not
 by our kernels of pretrain/model/gated_gelu.py; the A/B of those); ours-compile-triton-graphed (the same step captured
 whole in one CUDA graph and replayed: a diagnostic of what the host's launches cost, CUDA only; `pretrain` does not
-do this).
+do this); ours-compile-triton-perdiagonal (the attention's bias gradient summed along the diagonals of every score
+tile, as before score tiles in T5's last bucket were summed whole; the A/B of that).
 
 `--profile VARIANT` traces 3 steps twice: with host events (the op table, kernel time by family) and with device
 activity only (the host's pace close to an untraced run's: the device's busy share and its idle gaps, named by the
@@ -61,7 +62,7 @@ from pretrain.model.hf import to_hf  # noqa: E402
 from pretrain.model.t5 import T5Model, build  # noqa: E402
 
 VARIANTS = ("hf", "hf-compile", "ours", "ours-compile", "ours-compile-flex", "ours-compile-triton",
-            "ours-compile-triton-torchgate", "ours-compile-triton-graphed")
+            "ours-compile-triton-torchgate", "ours-compile-triton-graphed", "ours-compile-triton-perdiagonal")
 
 
 def sync(device: str) -> None:
@@ -241,6 +242,9 @@ def prepare(variant: str, ours_cpu, device: str):
         with torch.device(device):
             model = T5Model(dataclasses.replace(ours_cpu.config, attention=attention_of(variant), gated_gelu=gate))
         model.load_state_dict(ours_cpu.state_dict())
+        if variant.endswith("-perdiagonal"):
+            for stack in (model.encoder, model.decoder):
+                stack.relative_attention_bias.saturate = 0
     model = model.to(device=device, dtype=torch.bfloat16).train()
     if "-compile" in variant:
         if variant.startswith("hf"):

@@ -58,8 +58,9 @@ from pretrain.preflight import resolve_vocab_size  # noqa: E402
 from pretrain.trainer import LRSchedule  # noqa: E402
 
 VARIANTS = ("ours", "ours-compile", "hf", "hf-compile")
-OPT_IN_VARIANTS = ("ours-compile-flex", "ours-compile-triton")   # named in --variants only: `attention: flex` or
-# `triton`, compiled (CUDA: FlexAttention has no CPU backward, our Triton kernels run on CPU only interpreted)
+OPT_IN_VARIANTS = ("ours-compile-flex", "ours-compile-triton", "ours-compile-triton-perdiagonal")   # named in
+# --variants only: `attention: flex` or `triton`, compiled (CUDA: FlexAttention has no CPU backward, our Triton kernels
+# run on CPU only interpreted); -perdiagonal: the bias gradient of every score tile along its diagonals (saturate 0)
 PRETRAIN_VARIANTS = ("pretrain", "pretrain-compile")
 PRETRAIN_OPT_IN = ("pretrain-compile-fused",)   # named in --variants only: --compile --optimizer-step fused
 
@@ -80,9 +81,12 @@ def prepare(variant: str, ours_cpu: T5Model, device: str) -> torch.nn.Module:
         from pretrain.model.hf import to_hf
         model = to_hf(ours_cpu)
     else:
-        attention = variant.rsplit("-", 1)[1] if variant in OPT_IN_VARIANTS else "sdpa"   # each variant its kernel
+        attention = variant.split("-")[2] if variant in OPT_IN_VARIANTS else "sdpa"   # each variant its kernel
         model = T5Model(dataclasses.replace(ours_cpu.config, attention=attention))
         model.load_state_dict(ours_cpu.state_dict())
+        if variant.endswith("-perdiagonal"):
+            for stack in (model.encoder, model.decoder):
+                stack.relative_attention_bias.saturate = 0
     model = model.to(device=device, dtype=torch.float32).train()
     if variant == "hf-compile":
         model = torch.compile(model, dynamic=False)

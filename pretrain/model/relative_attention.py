@@ -185,18 +185,44 @@ def _probabilities(s, lse, query_idx, length, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _attn_bwd_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS,
+def _kv_tile(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv, keys, start_m, stride_l,
+             stride_ol, length, inner, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
+             HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr):
+    """One [keys, queries] tile of the key-block pass: dk and dv with the tile's terms added, and the tile's score
+    gradient ds_t (for the bias gradient)."""
+    queries = start_m + tl.arange(0, BLOCK)
+    q = _load_rows(base, queries, stride_l, length, HEAD_DIM, EVEN)
+    do = _load_rows(dout_base, queries, stride_ol, length, HEAD_DIM, EVEN)
+    lse = _load_vector(lse_row, queries, length, EVEN)
+    delta = _load_vector(delta_row, queries, length, EVEN)
+    s_t = _scores(k, q, bias_row, key_bias_row, queries[None, :], keys[:, None], length,
+                  CAUSAL, HAS_KEY_BIAS, PRECISION, EVEN)                  # [keys, queries]
+    p_t = _probabilities(s_t, lse[None, :], queries[None, :], length, EVEN)
+    dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+    return dk, dv, ds_t
+
+
+@triton.jit
+def _attn_bwd_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS, SATURATED,
                         stride_b, stride_l, stride_db, stride_dl, stride_ob, stride_ol, stride_bias_h, stride_kb,
-                        stride_lse_bh, num_heads, length, num_blocks,
+                        stride_lse_bh, num_heads, length, num_blocks, far_blocks,
                         HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
-                        HAS_KEY_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr,
-                        EVEN: tl.constexpr):
+                        HAS_KEY_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, SATURATE: tl.constexpr,
+                        PRECISION: tl.constexpr, EVEN: tl.constexpr):
     """One program: BLOCK keys of one (batch row, head), every query block: dk, dv, and the sums of the score
     gradient along each diagonal (one key - query offset each) over its tiles. DIAGONALS [B, H, key blocks, P +
     BLOCK] (P: the length padded to BLOCK) holds them at index offset - start_n + P - 1: the program's offsets fill
     its row exactly. A tile's diagonals at offsets up to 0 from its corner fall where the next tile's others do, so
     each is carried to the next tile and stored once, added (causal: zeros where tiles above the diagonal are
-    skipped). BIAS_GRAD off: none written."""
+    skipped). BIAS_GRAD off: none written.
+
+    SATURATE: tiles `far_blocks` or more blocks off the diagonal have every offset in a saturated range (all >= the
+    caller's `saturate`, or all <= -saturate), where the bias has one value; such a tile's gradient is summed whole
+    instead of along its diagonals (its slots in the row get zeros) and the program's two sums go to SATURATED
+    [B, H, key blocks, 2] (the range above, the range below)."""
     bh, b, h, base, bias_row, key_bias_row = _head_pointers(QKV, BIAS, KEY_BIAS, stride_b, stride_bias_h, stride_kb,
                                                             num_heads, length, HEAD_DIM)
     block_n = tl.program_id(0)
@@ -204,46 +230,66 @@ def _attn_bwd_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS,
     keys = start_n + tl.arange(0, BLOCK)
     inner = num_heads * HEAD_DIM
     dout_base = DOUT + b * stride_ob + h * HEAD_DIM
+    lse_row = LSE + bh * stride_lse_bh
+    delta_row = DELTA + bh * stride_lse_bh
     k = _load_rows(base + inner, keys, stride_l, length, HEAD_DIM, EVEN)
     v = _load_rows(base + 2 * inner, keys, stride_l, length, HEAD_DIM, EVEN)
     dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    rows = tl.arange(0, BLOCK)[:, None]
-    cols = tl.arange(0, BLOCK)[None, :]
-    skew = (rows + cols) % BLOCK                 # skewed[r, c] = tile[r, (r + c) % BLOCK]
-    wrapped = rows + cols >= BLOCK
-    padded = num_blocks * BLOCK
-    diagonal_row = DIAGONALS + ((b * num_heads + h) * num_blocks + block_n) * (padded + BLOCK)
-    # where tile 0's diagonals after its corner go (tile m's: start_m lower)
-    top = padded + BLOCK - 1 - tl.arange(0, BLOCK)
     first_m = start_n if CAUSAL else 0             # causal: the tiles above the diagonal are all masked
     if BIAS_GRAD:
+        rows = tl.arange(0, BLOCK)[:, None]
+        cols = tl.arange(0, BLOCK)[None, :]
+        skew = (rows + cols) % BLOCK                 # skewed[r, c] = tile[r, (r + c) % BLOCK]
+        wrapped = rows + cols >= BLOCK
+        padded = num_blocks * BLOCK
+        program = (b * num_heads + h) * num_blocks + block_n
+        diagonal_row = DIAGONALS + program * (padded + BLOCK)
+        # where tile 0's diagonals after its corner go (tile m's: start_m lower)
+        top = padded + BLOCK - 1 - tl.arange(0, BLOCK)
         for start_m in range(0, first_m, BLOCK):
             tl.store(diagonal_row + top - start_m, tl.zeros([BLOCK], tl.float32))
-    carried = tl.zeros([BLOCK], tl.float32)        # the previous tile's diagonals up to its corner
-    for start_m in range(first_m, length, BLOCK):
-        queries = start_m + tl.arange(0, BLOCK)
-        q = _load_rows(base, queries, stride_l, length, HEAD_DIM, EVEN)
-        do = _load_rows(dout_base, queries, stride_ol, length, HEAD_DIM, EVEN)
-        lse = _load_vector(LSE + bh * stride_lse_bh, queries, length, EVEN)
-        delta = _load_vector(DELTA + bh * stride_lse_bh, queries, length, EVEN)
-        s_t = _scores(k, q, bias_row, key_bias_row, queries[None, :], keys[:, None], length,
-                      CAUSAL, HAS_KEY_BIAS, PRECISION, EVEN)                  # [keys, queries]
-        p_t = _probabilities(s_t, lse[None, :], queries[None, :], length, EVEN)
-        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
-        if BIAS_GRAD:
+        carried = tl.zeros([BLOCK], tl.float32)        # the previous tile's diagonals up to its corner
+        # the query blocks of this key block: far above the diagonal (key - query >= saturate in every score),
+        # near it, far below (<= -saturate); without SATURATE all are near
+        near_start = tl.maximum(first_m, (block_n - far_blocks + 1) * BLOCK)
+        near_end = tl.maximum(near_start, tl.minimum(length, (block_n + far_blocks) * BLOCK))
+        above = tl.zeros([BLOCK], tl.float32)
+        for start_m in range(first_m, near_start, BLOCK):
+            dk, dv, ds_t = _kv_tile(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv, keys,
+                                    start_m, stride_l, stride_ol, length, inner, HEAD_DIM, BLOCK, CAUSAL,
+                                    HAS_KEY_BIAS, PRECISION, EVEN)
+            above += tl.sum(ds_t, 1)
+            tl.store(diagonal_row + top - start_m, carried)
+            carried = tl.zeros([BLOCK], tl.float32)
+        for start_m in range(near_start, near_end, BLOCK):
+            dk, dv, ds_t = _kv_tile(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv, keys,
+                                    start_m, stride_l, stride_ol, length, inner, HEAD_DIM, BLOCK, CAUSAL,
+                                    HAS_KEY_BIAS, PRECISION, EVEN)
             # the diagonals of ds_t: skewed[r, c] = ds_t[r, (r + c) % BLOCK] has key - query offset -c where r + c <
             # BLOCK, BLOCK - c where it wrapped; column sums of each part are the diagonal sums
             skewed = tl.gather(ds_t, skew, axis=1)
             below = tl.sum(tl.where(wrapped, 0.0, skewed), 0)              # offset corner - c
-            above = tl.sum(tl.where(wrapped, skewed, 0.0), 0)              # offset corner + BLOCK - c (0 at c = 0)
-            tl.store(diagonal_row + top - start_m, carried + above)        # the previous tile's corner - c: the same
+            upper = tl.sum(tl.where(wrapped, skewed, 0.0), 0)              # offset corner + BLOCK - c (0 at c = 0)
+            tl.store(diagonal_row + top - start_m, carried + upper)        # the previous tile's corner - c: the same
             carried = below
-    if BIAS_GRAD:
+        under = tl.zeros([BLOCK], tl.float32)
+        for start_m in range(near_end, length, BLOCK):
+            dk, dv, ds_t = _kv_tile(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv, keys,
+                                    start_m, stride_l, stride_ol, length, inner, HEAD_DIM, BLOCK, CAUSAL,
+                                    HAS_KEY_BIAS, PRECISION, EVEN)
+            under += tl.sum(ds_t, 1)
+            tl.store(diagonal_row + top - start_m, carried)
+            carried = tl.zeros([BLOCK], tl.float32)
         tl.store(diagonal_row + top - padded, carried)
+        if SATURATE:
+            tl.store(SATURATED + 2 * program, tl.sum(above, 0))
+            tl.store(SATURATED + 2 * program + 1, tl.sum(under, 0))
+    else:
+        for start_m in range(first_m, length, BLOCK):
+            dk, dv, ds_t = _kv_tile(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv, keys,
+                                    start_m, stride_l, stride_ol, length, inner, HEAD_DIM, BLOCK, CAUSAL,
+                                    HAS_KEY_BIAS, PRECISION, EVEN)
     grad_base = DQKV + b * stride_db + h * HEAD_DIM
     _store_rows(grad_base + inner, keys, stride_dl, length, dk, HEAD_DIM, EVEN)
     _store_rows(grad_base + 2 * inner, keys, stride_dl, length, dv, HEAD_DIM, EVEN)
@@ -312,6 +358,15 @@ def _sum_diagonals(diagonals: torch.Tensor, length: int, block: int) -> torch.Te
     return shifted.view(heads, num_blocks, 2 * padded).sum(1)[:, padded - length: padded + length - 1].contiguous()
 
 
+def _far_blocks(saturate: int, block: int, num_blocks: int) -> int:
+    """How many blocks off the diagonal a [block x block] score tile must be for every key - query offset in it to
+    be >= saturate (or <= -saturate): offsets in the tile k blocks off span k * block -+ (block - 1). num_blocks (no
+    tile is that far) when saturate is 0 or no tile is far enough."""
+    if saturate <= 0:
+        return num_blocks
+    return min(num_blocks, (saturate + 2 * block - 2) // block)
+
+
 def _even(length: int, *blocks: int) -> bool:
     """Whether `length` is a whole number of each block: the kernels then load, store and score without masks."""
     return all(length % block == 0 for block in blocks)
@@ -326,7 +381,7 @@ def _key_bias_args(key_bias: torch.Tensor | None, like: torch.Tensor):
 
 @torch.library.custom_op("t5zero::relative_attention_forward", mutates_args=())
 def _forward(qkv: torch.Tensor, bias_by_offset: torch.Tensor, key_bias: torch.Tensor | None, num_heads: int,
-             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+             causal: bool, saturate: int) -> tuple[torch.Tensor, torch.Tensor]:
     batch, length, width = qkv.shape
     head_dim = width // (3 * num_heads)
     out = qkv.new_empty(batch, length, num_heads * head_dim)
@@ -344,7 +399,7 @@ def _forward(qkv: torch.Tensor, bias_by_offset: torch.Tensor, key_bias: torch.Te
 
 
 @_forward.register_fake
-def _(qkv, bias_by_offset, key_bias, num_heads, causal):
+def _(qkv, bias_by_offset, key_bias, num_heads, causal, saturate):
     batch, length, width = qkv.shape
     return (qkv.new_empty(batch, length, width // 3),
             qkv.new_empty(batch, num_heads, length, dtype=torch.float32))
@@ -353,7 +408,7 @@ def _(qkv, bias_by_offset, key_bias, num_heads, causal):
 @torch.library.custom_op("t5zero::relative_attention_backward", mutates_args=())
 def _backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
               bias_by_offset: torch.Tensor, key_bias: torch.Tensor | None, num_heads: int, causal: bool,
-              bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+              bias_grad: bool, saturate: int) -> tuple[torch.Tensor, torch.Tensor]:
     batch, length, width = qkv.shape
     head_dim = width // (3 * num_heads)
     dout = dout.contiguous()                      # the same [B, L, H * D] layout as out
@@ -369,38 +424,46 @@ def _backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: tor
     padded = num_blocks * block
     diagonals = torch.empty((batch, num_heads, num_blocks, padded + block) if bias_grad else (1,),
                             dtype=torch.float32, device=qkv.device)     # every element written by the kernel
+    far_blocks = _far_blocks(saturate, block, num_blocks)
+    saturated = torch.empty((batch, num_heads, num_blocks, 2) if bias_grad and far_blocks < num_blocks else (1,),
+                            dtype=torch.float32, device=qkv.device)
     common = dict(HEAD_DIM=head_dim, CAUSAL=causal, HAS_KEY_BIAS=has_key_bias, PRECISION=_precision(qkv.dtype))
-    kv_config["BIAS_GRAD"] = bias_grad
+    kv_config.update(BIAS_GRAD=bias_grad, SATURATE=bias_grad and far_blocks < num_blocks)
     strides = (qkv.stride(0), qkv.stride(1), dqkv.stride(0), dqkv.stride(1), dout.stride(0), dout.stride(1),
                bias_by_offset.stride(0), stride_kb, lse.stride(1))
     _attn_bwd_kv_kernel[(num_blocks, batch * num_heads)](
-        qkv, bias_by_offset, key_bias_arg, dout, lse, delta, dqkv, diagonals, *strides, num_heads, length,
-        num_blocks, **common, EVEN=_even(length, block), **kv_config)
+        qkv, bias_by_offset, key_bias_arg, dout, lse, delta, dqkv, diagonals, saturated, *strides, num_heads, length,
+        num_blocks, far_blocks, **common, EVEN=_even(length, block), **kv_config)
     _attn_bwd_q_kernel[(triton.cdiv(length, q_config["BLOCK_M"]), batch * num_heads)](
         qkv, bias_by_offset, key_bias_arg, dout, lse, delta, dqkv, *strides, num_heads, length,
         **common, EVEN=_even(length, q_config["BLOCK_M"], q_config["BLOCK_N"]), **q_config)
     if not bias_grad:
         return dqkv, torch.zeros_like(bias_by_offset)
-    return dqkv, _sum_diagonals(diagonals, length, block)
+    dbias = _sum_diagonals(diagonals, length, block)
+    if kv_config["SATURATE"]:      # each saturated range's sum, at its first offset
+        far = saturated.sum((0, 2))                                    # [H, 2]: above, below
+        dbias[:, length - 1 + saturate] += far[:, 0]
+        dbias[:, length - 1 - saturate] += far[:, 1]
+    return dqkv, dbias
 
 
 @_backward.register_fake
-def _(dout, qkv, out, lse, bias_by_offset, key_bias, num_heads, causal, bias_grad):
+def _(dout, qkv, out, lse, bias_by_offset, key_bias, num_heads, causal, bias_grad, saturate):
     return torch.empty_like(qkv, memory_format=torch.contiguous_format), torch.empty_like(bias_by_offset)
 
 
 def _setup_context(ctx, inputs, output):
-    qkv, bias_by_offset, key_bias, num_heads, causal = inputs
+    qkv, bias_by_offset, key_bias, num_heads, causal, saturate = inputs
     out, lse = output
     ctx.save_for_backward(qkv, out, lse, bias_by_offset, key_bias)
-    ctx.num_heads, ctx.causal = num_heads, causal
+    ctx.num_heads, ctx.causal, ctx.saturate = num_heads, causal, saturate
 
 
 def _autograd_backward(ctx, dout, dlse):
     qkv, out, lse, bias_by_offset, key_bias = ctx.saved_tensors
     dqkv, dbias = _backward(dout, qkv, out, lse, bias_by_offset, key_bias, ctx.num_heads, ctx.causal,
-                            ctx.needs_input_grad[1])
-    return dqkv, dbias if ctx.needs_input_grad[1] else None, None, None, None
+                            ctx.needs_input_grad[1], ctx.saturate)
+    return dqkv, dbias if ctx.needs_input_grad[1] else None, None, None, None, None
 
 
 torch.library.register_autograd("t5zero::relative_attention_forward", _autograd_backward,
@@ -408,11 +471,16 @@ torch.library.register_autograd("t5zero::relative_attention_forward", _autograd_
 
 
 def relative_attention(qkv: torch.Tensor, bias_by_offset: torch.Tensor, num_heads: int, causal: bool = False,
-                       key_bias: torch.Tensor | None = None) -> torch.Tensor:
+                       key_bias: torch.Tensor | None = None, saturate: int = 0) -> torch.Tensor:
     """softmax(q k^T + bias, causal-masked) v for the fused projection qkv [B, L, 3 * H * D] (q|k|v, heads inside
     each); bias_by_offset [H, 2L - 1] fp32 (index j - i + L - 1), key_bias [B, L] fp32 added to every query's
-    scores (a padding mask), or None. Returns [B, L, H * D] in qkv's dtype."""
+    scores (a padding mask), or None. Returns [B, L, H * D] in qkv's dtype.
+
+    saturate > 0 says that bias_by_offset has one value per head at every offset >= saturate and one at every offset
+    <= -saturate (T5's last buckets: `RelativePositionBias.saturate`). The bias gradient of each such range is then
+    exact as a sum only, and so what reaches the bucket table is exact: score tiles with every offset in one range
+    are summed whole, not along their diagonals, and their sum is put at the range's first offset."""
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     return _forward(qkv, bias_by_offset.float().contiguous(),
-                    None if key_bias is None else key_bias.float().contiguous(), num_heads, causal)[0]
+                    None if key_bias is None else key_bias.float().contiguous(), num_heads, causal, saturate)[0]

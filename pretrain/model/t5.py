@@ -216,6 +216,21 @@ def relative_position_bucket(relative_position: torch.Tensor, bidirectional: boo
     return buckets + torch.where(distance < max_exact, distance, log_scaled)
 
 
+def saturating_offset(bidirectional: bool, num_buckets: int, max_distance: int) -> int:
+    """The smallest d > 0 from which every key - query offset >= d has one bucket and every offset <= -d has one
+    (T5's last buckets, from somewhat below max_distance on): what `relative_attention(saturate=)` needs to sum
+    those ranges' bias gradient whole. 0 if the buckets never saturate."""
+    far = 2 * max(max_distance, num_buckets) + 1
+    offsets = torch.arange(-far, far + 1)
+    buckets = relative_position_bucket(offsets, bidirectional, num_buckets, max_distance).tolist()
+    first = {-1: far, 1: far}                     # per side, the smallest distance whose bucket is the farthest's
+    for side in (-1, 1):
+        while first[side] > 1 and buckets[far + side * (first[side] - 1)] == buckets[far + side * far]:
+            first[side] -= 1
+    saturate = max(first.values())
+    return saturate if saturate < far else 0
+
+
 class RelativePositionBias(nn.Module):
     """One learned scalar per (bucket, head); computed once per stack and added to every layer's scores. Called
     with `by_offset=True` it returns the bias of each key - query offset instead, [heads, 2 * length - 1] fp32, the
@@ -227,6 +242,7 @@ class RelativePositionBias(nn.Module):
         self.bidirectional = bidirectional
         self.num_buckets = config.relative_attention_num_buckets
         self.max_distance = config.relative_attention_max_distance
+        self.saturate = saturating_offset(bidirectional, self.num_buckets, self.max_distance)
 
     def forward(self, query_length: int, key_length: int, by_offset: bool = False) -> torch.Tensor:
         """Bias of shape [1, heads, query_length, key_length] in the weight's dtype; by_offset: [heads,
@@ -321,6 +337,7 @@ class OffsetBias(NamedTuple):
     padding: torch.Tensor | None      # [batch, L] fp32 additive key bias (0 or large negative); None: none
     causal: bool                      # the decoder's: a query sees itself and the keys before it
     attend: object                    # relative_attention, imported on first use (it imports Triton)
+    saturate: int                     # the offsets from which the bias is one value per side (saturating_offset)
 
 
 class Attention(nn.Module):
@@ -347,7 +364,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, bias: torch.Tensor | FlexBias | OffsetBias | None,
                 memory: torch.Tensor | None = None):
         if isinstance(bias, OffsetBias):   # T5Config rejects dropout with triton
-            return self.o(bias.attend(self.qkv(x), bias.position, self.num_heads, bias.causal, bias.padding))
+            return self.o(bias.attend(self.qkv(x), bias.position, self.num_heads, bias.causal, bias.padding,
+                                      bias.saturate))
         if self.cross:
             q = self._heads(self.q(x), 1)[0]
             k, v = self._heads(self.kv(memory), 2).unbind(0)
@@ -460,7 +478,7 @@ class Stack(nn.Module):
         if padding_bias is not None:     # clamped: scaled by log2(e) inside the kernel, finfo.min would be -inf
             padding = padding_bias[:, 0, 0, :].float().clamp(min=-1e30)
         return OffsetBias(self.relative_attention_bias(length, length, by_offset=True), padding, self.is_decoder,
-                          relative_attention)
+                          relative_attention, self.relative_attention_bias.saturate)
 
     def forward(self, x, padding_bias=None, memory=None, memory_bias=None):
         kind = self.config.self_attention_kind(x.device.type)

@@ -73,6 +73,53 @@ def test_forward_and_every_gradient_equal_a_float64_reference(batch, length, hea
     assert relative_error(dbias, want_dbias) < 1e-5
 
 
+@pytest.mark.parametrize("batch, length, causal, saturate", [
+    (1, 300, False, 70),     # 5 key blocks, a partial one: tiles 3+ blocks off the diagonal lie in a saturated range
+    (2, 256, False, 6),      # whole blocks (EVEN); 2+ blocks off
+    (1, 200, True, 12),      # causal: only the range below
+])
+def test_saturated_ranges_of_the_bias_gradient_are_exact_as_sums(batch, length, causal, saturate):
+    """With `saturate`, tiles far off the diagonal are summed whole: the bias gradient equals the float64 reference
+    at every offset inside (-saturate, saturate) and as a sum over each saturated range, which is what the bucket
+    table receives (the range is one bucket); the outputs and q|k|v gradients are unchanged."""
+    generator = torch.Generator().manual_seed(length)
+    heads, head_dim = 2, 16
+    qkv = torch.randn(batch, length, 3 * heads * head_dim, generator=generator, dtype=torch.float64)
+    offsets = torch.arange(1 - length, length)
+    bias = torch.randn(heads, 2 * length - 1, generator=generator, dtype=torch.float64)
+    bias[:, offsets >= saturate] = bias[:, [length - 1 + saturate]]       # one value per saturated range
+    bias[:, offsets <= -saturate] = bias[:, [length - 1 - saturate]]
+    grad_out = torch.randn(batch, length, heads * head_dim, generator=generator, dtype=torch.float64)
+    ours_qkv, ours_bias = qkv.float().to(DEVICE).requires_grad_(), bias.float().to(DEVICE).requires_grad_()
+    relative_attention(ours_qkv, ours_bias, heads, causal, saturate=saturate).backward(grad_out.float().to(DEVICE))
+    want_qkv, want_bias = qkv.to(DEVICE).requires_grad_(), bias.to(DEVICE).requires_grad_()
+    reference(want_qkv, want_bias, heads, causal).backward(grad_out.to(DEVICE))
+    got, want = ours_bias.grad.double().cpu(), want_bias.grad.cpu()
+    assert relative_error(ours_qkv.grad, want_qkv.grad) < 1e-5
+    inside = offsets.abs() < saturate
+    scale = want.abs().max()
+    assert (got[:, inside] - want[:, inside]).abs().max() < 1e-5 * scale
+    for side in (offsets >= saturate, offsets <= -saturate):
+        assert (got[:, side].sum(1) - want[:, side].sum(1)).abs().max() < 1e-5 * scale
+    # the far tiles were summed whole: per offset, the saturated ranges are not the reference's
+    assert not torch.allclose(got[:, offsets <= -saturate], want[:, offsets <= -saturate], atol=1e-3 * scale)
+
+
+def test_the_saturating_offset_is_where_t5s_buckets_stop_changing():
+    """mT5's buckets (32, max distance 128): the encoder's last bucket per side from offset 91 on, the decoder's
+    from 113; the bias of the stacks carries it to the kernels."""
+    assert model_module.saturating_offset(True, 32, 128) == 91
+    assert model_module.saturating_offset(False, 32, 128) == 113
+    offsets = torch.arange(-300, 301)
+    for bidirectional, saturate in ((True, 91), (False, 113)):
+        buckets = model_module.relative_position_bucket(offsets, bidirectional, 32, 128)
+        assert len(set(buckets[offsets >= saturate].tolist())) == 1
+        assert len(set(buckets[offsets <= -saturate].tolist())) == 1
+        assert len(set(buckets[offsets <= 1 - saturate].tolist())) == 2          # one offset earlier, two buckets
+    model = build("t5-tiny", seed=0, attention="triton")
+    assert model.encoder.relative_attention_bias.saturate == 91
+
+
 def test_the_bias_gradient_is_the_same_bit_for_bit_from_run_to_run():
     """Plain stores of per-tile diagonal sums and one fixed-order reduction, no atomics: a second backward gives the
     same bits."""
@@ -89,11 +136,11 @@ def test_the_custom_ops_fake_kernels_and_autograd_agree_with_the_real_ones(causa
     qkv = torch.randn(2, 70, 3 * 2 * 16, generator=generator).to(DEVICE).requires_grad_()
     bias = torch.randn(2, 139, generator=generator).to(DEVICE).requires_grad_()
     forward = torch.ops.t5zero.relative_attention_forward.default
-    torch.library.opcheck(forward, (qkv, bias, None, 2, causal),
+    torch.library.opcheck(forward, (qkv, bias, None, 2, causal, 0),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
-    out, lse = forward(qkv.detach(), bias.detach(), None, 2, causal)
+    out, lse = forward(qkv.detach(), bias.detach(), None, 2, causal, 0)
     torch.library.opcheck(torch.ops.t5zero.relative_attention_backward.default,
-                          (torch.randn_like(out), qkv.detach(), out, lse, bias.detach(), None, 2, causal, True),
+                          (torch.randn_like(out), qkv.detach(), out, lse, bias.detach(), None, 2, causal, True, 30),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -122,6 +169,22 @@ def test_model_with_triton_attention_equals_sdpa(monkeypatch, no_tf32, mode, pad
     want = forward_backward(sdpa, inputs, labels, attention_mask)
     got = forward_backward(ours, inputs, labels, attention_mask)
     assert len(calls) == 4                       # encoder and decoder, loss and logits forwards: never SDPA
+    assert_same_outputs(got, want, 1e-5 if DEVICE == "cpu" else 1e-4, loss_rtol=1e-5)
+
+
+def test_model_with_saturated_bias_tiles_equals_sdpa(no_tf32):
+    """t5-tiny with 8 buckets up to distance 16 (saturated from offset 6 in the encoder, 12 in the decoder) at lengths
+    of 200 and 150: tiles two blocks off the diagonal are summed whole, and every gradient (the bucket tables'
+    too) is still the SDPA model's."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randint(3, 1000, (2, 200), generator=generator).to(DEVICE)
+    labels = torch.randint(3, 1000, (2, 150), generator=generator).to(DEVICE)
+    buckets = dict(relative_attention_num_buckets=8, relative_attention_max_distance=16)
+    sdpa = build("t5-tiny", seed=1, attention="sdpa", **buckets).to(DEVICE).train()
+    ours = build("t5-tiny", seed=1, attention="triton", **buckets).to(DEVICE).train()
+    assert (ours.encoder.relative_attention_bias.saturate, ours.decoder.relative_attention_bias.saturate) == (6, 12)
+    want = forward_backward(sdpa, inputs, labels, None)
+    got = forward_backward(ours, inputs, labels, None)
     assert_same_outputs(got, want, 1e-5 if DEVICE == "cpu" else 1e-4, loss_rtol=1e-5)
 
 
