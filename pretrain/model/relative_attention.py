@@ -9,8 +9,10 @@ never hold an [H, L, L] bias; FlexAttention reads a dense [H, L, L] fp32 bias fo
 adds each score's gradient into it atomically (docs/model.md). Here the backward sums the gradient of each score
 tile along its diagonals (one offset each) inside the kernel; a program's tiles fill one row of sums (one per offset
 it sees), and the sum over batch rows and key blocks is two plain reductions afterwards. No atomics: the gradients
-are the same bit for bit from run to run. Where the length is a whole number of blocks (the encoder's 512) the
-kernels load, store and score without masks.
+are the same bit for bit from run to run. Tiles whose offsets all lie where T5's buckets have stopped changing
+(`saturate`: the encoder's 91 on) are summed whole instead of by diagonals, their sum put at the range's first
+offset. Where the length is a whole number of blocks (the encoder's 512) the kernels load, store and score without
+masks.
 
 The kernels take the fused q|k|v projection as it comes out of its matmul ([B, L, 3, H, D] in memory) and write
 the output as [B, L, H, D] and the gradient of q|k|v as one [B, L, 3, H, D] tensor: no permute or copy around them.
