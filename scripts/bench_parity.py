@@ -420,4 +420,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:   # a time limit's SIGINT (scripts/gpu_parity.sh): one line, not the pool's traceback
+        print("bench_parity: interrupted; with --jobs, each finished run's losses are in OUT/runs and the same "
+              "command run again reads them instead of running them again", file=sys.stderr, flush=True)
+        sys.exit(130)
