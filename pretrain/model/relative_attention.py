@@ -427,10 +427,11 @@ def _backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: tor
     diagonals = torch.empty((batch, num_heads, num_blocks, padded + block) if bias_grad else (1,),
                             dtype=torch.float32, device=qkv.device)     # every element written by the kernel
     far_blocks = _far_blocks(saturate, block, num_blocks)
-    saturated = torch.empty((batch, num_heads, num_blocks, 2) if bias_grad and far_blocks < num_blocks else (1,),
+    saturating = bias_grad and far_blocks < num_blocks             # some tile is summed whole
+    saturated = torch.empty((batch, num_heads, num_blocks, 2) if saturating else (1,),
                             dtype=torch.float32, device=qkv.device)
     common = dict(HEAD_DIM=head_dim, CAUSAL=causal, HAS_KEY_BIAS=has_key_bias, PRECISION=_precision(qkv.dtype))
-    kv_config.update(BIAS_GRAD=bias_grad, SATURATE=bias_grad and far_blocks < num_blocks)
+    kv_config.update(BIAS_GRAD=bias_grad, SATURATE=saturating)
     strides = (qkv.stride(0), qkv.stride(1), dqkv.stride(0), dqkv.stride(1), dout.stride(0), dout.stride(1),
                bias_by_offset.stride(0), stride_kb, lse.stride(1))
     _attn_bwd_kv_kernel[(num_blocks, batch * num_heads)](
@@ -442,7 +443,7 @@ def _backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: tor
     if not bias_grad:
         return dqkv, torch.zeros_like(bias_by_offset)
     dbias = _sum_diagonals(diagonals, length, block)
-    if kv_config["SATURATE"]:      # each saturated range's sum, at its first offset
+    if saturating:                 # each saturated range's sum, at its first offset
         far = saturated.sum((0, 2))                                    # [H, 2]: above, below
         dbias[:, length - 1 + saturate] += far[:, 0]
         dbias[:, length - 1 - saturate] += far[:, 1]

@@ -221,13 +221,13 @@ def saturating_offset(bidirectional: bool, num_buckets: int, max_distance: int) 
     (T5's last buckets, from somewhat below max_distance on): what `relative_attention(saturate=)` needs to sum
     those ranges' bias gradient whole. 0 if the buckets never saturate."""
     far = 2 * max(max_distance, num_buckets) + 1
-    offsets = torch.arange(-far, far + 1)
-    buckets = relative_position_bucket(offsets, bidirectional, num_buckets, max_distance).tolist()
-    first = {-1: far, 1: far}                     # per side, the smallest distance whose bucket is the farthest's
-    for side in (-1, 1):
-        while first[side] > 1 and buckets[far + side * (first[side] - 1)] == buckets[far + side * far]:
-            first[side] -= 1
-    saturate = max(first.values())
+    distances = torch.arange(1, far + 1)
+    saturate = 1
+    for side in (-1, 1):                          # from one past the farthest distance whose bucket is not the last
+        buckets = relative_position_bucket(side * distances, bidirectional, num_buckets, max_distance)
+        differs = (buckets != buckets[-1]).nonzero()
+        if len(differs):
+            saturate = max(saturate, int(differs[-1]) + 2)
     return saturate if saturate < far else 0
 
 
