@@ -37,27 +37,31 @@ MICRO_BATCH, INPUT_LENGTH, TARGET_LENGTH = 2, 32, 8
 
 
 def rank_main(report: Path, compile_regions: bool) -> None:
-    """One rank: t5-tiny built partitioned at ZeRO 3 (TIGHT eager, the defaults compiled), a few training steps on
-    seeded random tokens; rank 0 writes what the tests read to `report`."""
+    """One rank: t5-tiny built partitioned at ZeRO 3 (TIGHT eager, the defaults compiled; on a world of one, the
+    defaults with `drop_idle_module_hooks` as pretrain installs it), a few training steps on seeded random tokens;
+    rank 0 writes what the tests read to `report`."""
     import deepspeed
     from torch._dynamo.utils import counters
 
     from pretrain.config import TrainConfig
     from pretrain.ds_config import build_ds_config
-    from pretrain.model.zero3 import build_partitioned
+    from pretrain.model.zero3 import build_partitioned, drop_idle_module_hooks
     from pretrain.ranks import rank_env
     from pretrain.trainer import init_rank
 
     env = rank_env()
     init_rank(env.local_rank, env.local_world_size)
+    one_rank = env.world_size == 1
     config = TrainConfig(model="t5-tiny", data="-", out="-", zero=3, micro_batch=MICRO_BATCH,
-                         **({} if compile_regions else TIGHT))
+                         **({} if compile_regions or one_rank else TIGHT))
     ds_config = build_ds_config(config, world_size=env.world_size, grad_accum=1, accelerator="cpu")
     model = build_partitioned(config.model, ds_config, seed=0)
     if compile_regions:
         model.compile_regions()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds_config)
     norms = compare_grad_norms(engine.optimizer)
+    dropped = one_rank and drop_idle_module_hooks(engine.optimizer)
+    on_partitions, releases = [], count_releases()
     coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
     generator = torch.Generator().manual_seed(1000 + env.rank)
     low, vocab = max(model.config.pad_token_id, model.config.eos_token_id) + 1, model.config.vocab_size
@@ -70,11 +74,15 @@ def rank_main(report: Path, compile_regions: bool) -> None:
         engine.step()
         losses.append(float(loss.detach()))
         trace_complete.append(coordinator.is_complete_trace())
+        if one_rank:
+            on_partitions.append(dict(weights_on_partitions(engine.optimizer, model), releases=releases[0]))
+            releases[0] = 0
     if env.rank == 0:
         linear = torch.nn.functional.linear
         result = {"hooked_modules": sum(1 for module in model.modules() if hasattr(module, "ds_id")),
                   "losses": losses, "trace_complete": trace_complete,
                   "linear": f"{linear.__module__}.{linear.__name__}", "grad_norms": norms,
+                  "dropped": dropped, "on_partitions": on_partitions,
                   "dynamo_counters": {name: dict(counter) for name, counter in counters.items() if counter}}
         staging = report.with_suffix(".tmp")
         staging.write_text(json.dumps(result))
@@ -83,6 +91,32 @@ def rank_main(report: Path, compile_regions: bool) -> None:
     gc.collect()        # ZeRO-3 parameters alive when the process group is gone abort the process at exit
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def count_releases() -> list[int]:
+    """Count DeepSpeed's releases of a weight (`free_param`, which its partitioning calls) from now on: [count]."""
+    from deepspeed.runtime.zero import partition_parameters
+
+    count, release = [0], partition_parameters.free_param
+
+    def counted(param):
+        count[0] += 1
+        release(param)
+
+    partition_parameters.free_param = counted
+    return count
+
+
+def weights_on_partitions(optimizer, model) -> dict:
+    """After a step on one rank: how many weights are views of their partitions (the storage the step updates), and
+    the largest difference between any weight and its fp32 master copy cast to the weight's dtype."""
+    on, gap = 0, 0.0
+    for param in model.parameters():
+        on += param.data.data_ptr() == param.ds_tensor.data_ptr()
+    for group, masters in zip(optimizer.fp16_groups, optimizer.fp32_partitioned_groups_flat):
+        for param, master in zip(group, optimizer.unflatten(masters, group)):
+            gap = max(gap, float((param.data - master.to(param.dtype).view(param.shape)).abs().max()))
+    return {"weights": sum(1 for _ in model.parameters()), "on_partitions": on, "max_gap_to_masters": gap}
 
 
 def compare_grad_norms(optimizer) -> list:
@@ -128,6 +162,22 @@ def run_ranks(tmp_path: Path, compile_regions: bool = False, nproc: int = 2, tim
     for process, log in zip(ranks, logs):
         assert process.returncode == 0, f"{log}:\n{log.read_text()[-4000:]}"
     return json.loads(report.read_text())
+
+
+def test_zero3_on_one_rank_updates_its_weights_in_place_on_their_partitions(tmp_path):
+    """One rank, every weight resident (`build_ds_config`'s default there): after `drop_idle_module_hooks` no step
+    releases a weight (DeepSpeed's would release all of them and gather them again), every weight is a view of
+    its partition after every step and equals the optimizer's fp32 master weights: the step's copy into the
+    partitions updated them in place."""
+    result = run_ranks(tmp_path, nproc=1)
+    assert result["dropped"] is True
+    assert len(result["on_partitions"]) == 3
+    for step in result["on_partitions"]:
+        assert step["releases"] == 0, step
+        assert step["on_partitions"] == step["weights"] > 0, step
+        assert step["max_gap_to_masters"] == 0.0, step
+    assert all(loss == loss and 0 < loss < 20 for loss in result["losses"])
+    assert result["losses"][-1] != result["losses"][0]      # the weights did change
 
 
 def outside_blocks(preset: str) -> int:
