@@ -1,7 +1,8 @@
 """pretrain/one_pass_adamw.py: AdamW in one Triton kernel that reads the gradients where ZeRO keeps them equals
 torch's AdamW on their concatenation, for gradients viewing one buffer in another order (ZeRO 2's) and for separate
 tensors (ZeRO 1's, concatenated first), with and without the clipping factor and weight decay; ZeRO's alignment
-padding past the gradients is left alone. On the CPU the kernel runs in Triton's interpreter (tests/conftest.py)."""
+padding past the gradients is left alone. On a GPU the kernel runs compiled on it; without one, in Triton's interpreter
+on the CPU (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,15 @@ import torch
 
 from pretrain.one_pass_adamw import BLOCK, BLOCKS, adamw_one_pass
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SIZES = [5, BLOCK * BLOCKS + 3, 700, 1, 2 * BLOCK]       # one gradient spans rows, others are shorter than a block
 
 
-def gradients(shared: bool, dtype: torch.dtype) -> list[torch.Tensor]:
+def gradients(shared: bool, dtype: torch.dtype, device: str = "cpu") -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     if not shared:
-        return [torch.randn(n, generator=generator).to(dtype) for n in SIZES]
-    buffer = torch.randn(sum(SIZES) + 11, generator=generator).to(dtype)
+        return [torch.randn(n, generator=generator).to(dtype).to(device) for n in SIZES]
+    buffer = torch.randn(sum(SIZES) + 11, generator=generator).to(dtype).to(device)
     views, end = [], buffer.numel() - 11          # reverse order in the buffer, as ZeRO 2's backward fills it
     for n in SIZES:
         views.append(buffer[end - n:end])
@@ -47,9 +49,11 @@ def test_one_pass_equals_torch_adamw_on_the_concatenated_gradient(shared, dtype,
     param[count:] = 0.0
     exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
     hyper = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
-    expected = reference(grads, param, exp_avg, exp_avg_sq, 3, scale or 1.0, **hyper)
-    step = torch.zeros((), dtype=torch.float32)
-    factor = None if scale is None else torch.tensor(scale, dtype=torch.float32)
+    expected = reference(grads, param, exp_avg, exp_avg_sq, 3, scale or 1.0, **hyper)     # on the CPU
+    grads = gradients(shared, dtype, DEVICE)                                                # the same values
+    param, exp_avg, exp_avg_sq = (t.to(DEVICE) for t in (param, exp_avg, exp_avg_sq))
+    step = torch.zeros((), dtype=torch.float32, device=DEVICE)
+    factor = None if scale is None else torch.tensor(scale, dtype=torch.float32, device=DEVICE)
     cache: dict = {}
     for number in range(3):
         step += 1
@@ -59,7 +63,7 @@ def test_one_pass_equals_torch_adamw_on_the_concatenated_gradient(shared, dtype,
             rows = cache["rows"]
         assert cache["rows"] is rows                  # the same layout: the table is not built again
     for got, want in zip((param, exp_avg, exp_avg_sq), expected):
-        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+        torch.testing.assert_close(got.cpu(), want, rtol=2e-6, atol=1e-7)
     assert torch.all(param[count:] == 0) and torch.all(exp_avg_sq[count:] == 0)
 
 
