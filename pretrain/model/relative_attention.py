@@ -208,6 +208,26 @@ def _kv_tile(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, 
 
 
 @triton.jit
+def _far_tiles(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv, keys, start, end,
+               diagonal_row, top, carried, stride_l, stride_ol, length, inner, HEAD_DIM: tl.constexpr,
+               BLOCK: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+               EVEN: tl.constexpr):
+    """The key-block pass over query blocks [start, end) whose tiles lie wholly in one saturated range: dk and dv
+    with their terms added, and each tile's score gradient summed whole (row sums, returned as a vector). Each
+    tile's slots in the diagonal row get what is carried to it (the diagonals of the tile before it, zeros after a
+    far tile); returns dk, dv, the sums and what is carried on (zeros once a tile ran)."""
+    total = tl.zeros([BLOCK], tl.float32)
+    for start_m in range(start, end, BLOCK):
+        dk, dv, ds_t = _kv_tile(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv, keys,
+                                start_m, stride_l, stride_ol, length, inner, HEAD_DIM, BLOCK, CAUSAL,
+                                HAS_KEY_BIAS, PRECISION, EVEN)
+        total += tl.sum(ds_t, 1)
+        tl.store(diagonal_row + top - start_m, carried)
+        carried = tl.zeros([BLOCK], tl.float32)
+    return dk, dv, total, carried
+
+
+@triton.jit
 def _attn_bwd_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS, SATURATED,
                         stride_b, stride_l, stride_db, stride_dl, stride_ob, stride_ol, stride_bias_h, stride_kb,
                         stride_lse_bh, num_heads, length, num_blocks, far_blocks,
@@ -256,14 +276,10 @@ def _attn_bwd_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS, 
         # near it, far below (<= -saturate); without SATURATE all are near
         near_start = tl.maximum(first_m, (block_n - far_blocks + 1) * BLOCK)
         near_end = tl.maximum(near_start, tl.minimum(length, (block_n + far_blocks) * BLOCK))
-        above = tl.zeros([BLOCK], tl.float32)
-        for start_m in range(first_m, near_start, BLOCK):
-            dk, dv, ds_t = _kv_tile(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv, keys,
-                                    start_m, stride_l, stride_ol, length, inner, HEAD_DIM, BLOCK, CAUSAL,
-                                    HAS_KEY_BIAS, PRECISION, EVEN)
-            above += tl.sum(ds_t, 1)
-            tl.store(diagonal_row + top - start_m, carried)
-            carried = tl.zeros([BLOCK], tl.float32)
+        dk, dv, above, carried = _far_tiles(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv,
+                                            keys, first_m, near_start, diagonal_row, top, carried, stride_l,
+                                            stride_ol, length, inner, HEAD_DIM, BLOCK, CAUSAL, HAS_KEY_BIAS,
+                                            PRECISION, EVEN)
         for start_m in range(near_start, near_end, BLOCK):
             dk, dv, ds_t = _kv_tile(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv, keys,
                                     start_m, stride_l, stride_ol, length, inner, HEAD_DIM, BLOCK, CAUSAL,
@@ -275,14 +291,9 @@ def _attn_bwd_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS, 
             upper = tl.sum(tl.where(wrapped, skewed, 0.0), 0)              # offset corner + BLOCK - c (0 at c = 0)
             tl.store(diagonal_row + top - start_m, carried + upper)        # the previous tile's corner - c: the same
             carried = below
-        under = tl.zeros([BLOCK], tl.float32)
-        for start_m in range(near_end, length, BLOCK):
-            dk, dv, ds_t = _kv_tile(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv, keys,
-                                    start_m, stride_l, stride_ol, length, inner, HEAD_DIM, BLOCK, CAUSAL,
-                                    HAS_KEY_BIAS, PRECISION, EVEN)
-            under += tl.sum(ds_t, 1)
-            tl.store(diagonal_row + top - start_m, carried)
-            carried = tl.zeros([BLOCK], tl.float32)
+        dk, dv, under, carried = _far_tiles(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv,
+                                            keys, near_end, length, diagonal_row, top, carried, stride_l, stride_ol,
+                                            length, inner, HEAD_DIM, BLOCK, CAUSAL, HAS_KEY_BIAS, PRECISION, EVEN)
         tl.store(diagonal_row + top - padded, carried)
         if SATURATE:
             tl.store(SATURATED + 2 * program, tl.sum(above, 0))
