@@ -60,16 +60,16 @@ def drop_idle_module_hooks(optimizer) -> bool:
     offload, DeepSpeed's pre/post forward and backward hooks around each hooked module (the blocks, the stacks,
     the embedding, the head) fetch and release nothing, yet cost host time the GPU waits for: about 18% of a
     host-bound ZeRO 3 step sampled on CPU (docs/pretrain.md). They are removed, and one forward pre-hook on the
-    root gathers any weight found unavailable (a safety net for anything that releases them between steps). The
-    gradient hooks, which move gradients into the fp32 partitions, stay.
+    root points any weight found unavailable back at its partition (a safety net for anything that releases them
+    between steps, below). The gradient hooks, which move gradients into the fp32 partitions, stay.
 
     DeepSpeed's step also releases every weight when it starts (`_partition_all_parameters`: a `record_stream` and
     an empty tensor per weight) and "gathers" each again after it ends, which on one rank points the weight back
     at its own bf16 partition (`ds_tensor`, the whole weight there) and waits for the GPU to finish the step (a
     stream synchronisation). That host work runs while the GPU idles: on this machine's CPU, 19.5-21.4 against
-    6.5-7.1 ms of host time per optimizer step for mt5-xl's 390 weights (docs/pretrain.md). So the release becomes
-    a check that points any weight found unavailable, or not on its partition, at its partition; the gather after
-    the step then finds every weight available and does nothing. The weights stay views of their partitions,
+    6.5-7.1 ms of host time per optimizer step for mt5-xl's 390 weights at a tiny width (docs/pretrain.md). So the
+    release becomes a check that points any weight found unavailable, or not on its partition, at its partition;
+    the gather after the step then finds every weight available and does nothing. The weights stay views of their partitions,
     which the step's copy of the updated fp32 partition into the bf16 one updates in place, as before. Anything
     else: the hooks stay, and nothing changes."""
     import torch.distributed as dist
@@ -92,24 +92,24 @@ def drop_idle_module_hooks(optimizer) -> bool:
     offload._remove_module_hooks()
 
     @torch.no_grad()
-    def gather_unavailable(_module, _inputs):
-        missing = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
-        if missing:
-            missing[0].all_gather(missing)
-
-    @torch.no_grad()
     def onto_partitions():
-        """Every weight a view of its partition, available (what replaces the step's release of every weight)."""
+        """Every weight a view of its partition, available: what DeepSpeed's gather does for an unavailable weight
+        on one rank (without its stream synchronisation), and what replaces the step's release of every weight."""
         for p in params:
             partition = p.ds_tensor
             if p.ds_status != ZeroParamStatus.AVAILABLE or p.data.data_ptr() != partition.data_ptr():
                 p.data = partition.data.view(p.ds_shape)
                 p.ds_status = ZeroParamStatus.AVAILABLE
 
+    def unavailable_onto_partitions(_module, _inputs):
+        """Before each forward, a safety net: the status alone is checked (a fifth of the full check's host time)."""
+        if any(p.ds_status != ZeroParamStatus.AVAILABLE for p in params):
+            onto_partitions()
+
     onto_partitions()
     optimizer._partition_all_parameters = onto_partitions
     # kept on the offload object, whose destroy() removes fwd_pre_hook with the rest
-    offload.fwd_pre_hook = module.register_forward_pre_hook(torch.compiler.disable(gather_unavailable))
+    offload.fwd_pre_hook = module.register_forward_pre_hook(torch.compiler.disable(unavailable_onto_partitions))
     offload.forward_hooks, offload.backward_hooks = [], []
     return True
 

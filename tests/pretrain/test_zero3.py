@@ -77,12 +77,20 @@ def rank_main(report: Path, compile_regions: bool) -> None:
         if one_rank:
             on_partitions.append(dict(weights_on_partitions(engine.optimizer, model), releases=releases[0]))
             releases[0] = 0
+    after_release = None
+    if one_rank:     # a weight released between steps: the forward pre-hook points it back at its partition
+        weight = next(model.parameters())
+        weight.partition()
+        released = weight.data.numel() == 0
+        with torch.no_grad():
+            engine(input_ids, labels=labels)
+        after_release = {"released": released, "on_partition": weight.data.data_ptr() == weight.ds_tensor.data_ptr()}
     if env.rank == 0:
         linear = torch.nn.functional.linear
         result = {"hooked_modules": sum(1 for module in model.modules() if hasattr(module, "ds_id")),
                   "losses": losses, "trace_complete": trace_complete,
                   "linear": f"{linear.__module__}.{linear.__name__}", "grad_norms": norms,
-                  "dropped": dropped, "on_partitions": on_partitions,
+                  "dropped": dropped, "on_partitions": on_partitions, "after_release": after_release,
                   "dynamo_counters": {name: dict(counter) for name, counter in counters.items() if counter}}
         staging = report.with_suffix(".tmp")
         staging.write_text(json.dumps(result))
@@ -168,7 +176,7 @@ def test_zero3_on_one_rank_updates_its_weights_in_place_on_their_partitions(tmp_
     """One rank, every weight resident (`build_ds_config`'s default there): after `drop_idle_module_hooks` no step
     releases a weight (DeepSpeed's would release all of them and gather them again), every weight is a view of
     its partition after every step and equals the optimizer's fp32 master weights: the step's copy into the
-    partitions updated them in place."""
+    partitions updated them in place. A weight released between steps is back on its partition after a forward."""
     result = run_ranks(tmp_path, nproc=1)
     assert result["dropped"] is True
     assert len(result["on_partitions"]) == 3
@@ -178,6 +186,7 @@ def test_zero3_on_one_rank_updates_its_weights_in_place_on_their_partitions(tmp_
         assert step["max_gap_to_masters"] == 0.0, step
     assert all(loss == loss and 0 < loss < 20 for loss in result["losses"])
     assert result["losses"][-1] != result["losses"][0]      # the weights did change
+    assert result["after_release"] == {"released": True, "on_partition": True}
 
 
 def outside_blocks(preset: str) -> int:
