@@ -8,8 +8,9 @@ Per model (preset:batch) two shapes: the encoder's (512 queries, bidirectional b
 causal), the heads and head size of the preset, bf16 inputs laid out as the model's fused q|k|v projection, the
 position bias in fp32 with its gradient. Variants: `triton` (pretrain/model/relative_attention.py, as the model calls
 it: score tiles whose offsets all lie in T5's last bucket summed whole), `triton-perdiagonal` (every tile summed along
-its diagonals, `saturate=0`), `triton-nograd` (the bias without a gradient: what the bias gradient costs), `flex` (the model's `flex_self_attention` on a
-`FlexBias`, as `attention: flex` runs it, compiled), `flex-nograd`, `sdpa-nobias`. Each is timed by
+its diagonals, `saturate=0`), `triton-nograd` (the bias without a gradient: what the bias gradient costs), `flex`
+(the model's `flex_self_attention` on a `FlexBias`, as `attention: flex` runs it, compiled), `flex-nograd`,
+`sdpa-nobias`. Each is timed by
 `triton.testing.do_bench` (median of its repeats) three times: median (min-max) of the three. TFLOP/s counts the
 matmuls of forward (4 B H L^2 D) and backward (2.5x forward), causal masking not subtracted. Before timing, each
 variant's output and gradients are compared with `triton`'s and with the same attention computed in float64 from

@@ -69,9 +69,9 @@ def drop_idle_module_hooks(optimizer) -> bool:
     stream synchronisation). That host work runs while the GPU idles: on this machine's CPU, 19.5-21.4 against
     6.5-7.1 ms of host time per optimizer step for mt5-xl's 390 weights at a tiny width (docs/pretrain.md). So the
     release becomes a check that points any weight found unavailable, or not on its partition, at its partition;
-    the gather after the step then finds every weight available and does nothing. The weights stay views of their partitions,
-    which the step's copy of the updated fp32 partition into the bf16 one updates in place, as before. Anything
-    else: the hooks stay, and nothing changes."""
+    the gather after the step then finds every weight available and does nothing. The weights stay views of their
+    partitions, which the step's copy of the updated fp32 partition into the bf16 one updates in place, as before.
+    Anything else: the hooks stay, and nothing changes."""
     import torch.distributed as dist
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
