@@ -11,8 +11,8 @@ tile along its diagonals (one offset each) inside the kernel; a program's tiles 
 it sees), and the sum over batch rows and key blocks is two plain reductions afterwards. No atomics: the gradients
 are the same bit for bit from run to run. Tiles whose offsets all lie where T5's buckets have stopped changing
 (`saturate`: the encoder's 91 on) are summed whole instead of by diagonals, their sum put at the range's first
-offset. Where the length is a whole number of blocks (the encoder's 512) the kernels load, store and score without
-masks.
+offset, and both backward passes add such a tile's one bias value instead of loading it per score. Where the
+length is a whole number of blocks (the encoder's 512) the kernels load, store and score without masks.
 
 The kernels take the fused q|k|v projection as it comes out of its matmul ([B, L, 3, H, D] in memory) and write
 the output as [B, L, H, D] and the gradient of q|k|v as one [B, L, 3, H, D] tensor: no permute or copy around them.
@@ -122,14 +122,18 @@ def _store_vector(base, index, length, values, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _scores(a, b, bias_row, key_bias_row, query_idx, key_idx, length,
-            CAUSAL: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr):
+def _scores(a, b, bias_row, key_bias_row, query_idx, key_idx, length, far_bias,
+            CAUSAL: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr,
+            FAR: tl.constexpr):
     """a @ b^T plus the position bias (and the key bias) of each (query, key) of the tile, -inf where a key may not
     be seen: past the length (not with EVEN: the length is a whole number of blocks) and, in the decoder, after the
     query. query_idx and key_idx are broadcast to the tile: [M, 1] and [1, N] for a [queries, keys] tile, [1, M]
-    and [N, 1] for a [keys, queries] one. Rows of queries past the length get finite scores (never stored)."""
+    and [N, 1] for a [keys, queries] one. Rows of queries past the length get finite scores (never stored). FAR: every
+    offset of the tile lies in one saturated range, whose one bias value is `far_bias` (no per-score load)."""
     s = tl.dot(a, tl.trans(b), input_precision=PRECISION)
-    if EVEN:
+    if FAR:
+        s += far_bias
+    elif EVEN:
         s += tl.load(bias_row + key_idx - query_idx)
     else:
         s += tl.load(bias_row + key_idx - query_idx, mask=(key_idx < length) & (query_idx < length), other=0.0)
@@ -143,13 +147,38 @@ def _scores(a, b, bias_row, key_bias_row, query_idx, key_idx, length,
 
 
 @triton.jit
+def _near_range(start_m, end_n, saturate, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SATURATE: tl.constexpr):
+    """[near_start, near_end) of the key blocks (BLOCK_N, from 0 to end_n) that a query block [start_m, start_m +
+    BLOCK_M) scores with some offset inside (-saturate, saturate): those before it have every offset <= -saturate,
+    those after it every offset >= saturate. Without SATURATE, every block."""
+    if SATURATE:
+        near_start = tl.minimum(tl.maximum(start_m + 1 - saturate, 0) // BLOCK_N * BLOCK_N, end_n)
+        near_end = tl.minimum((start_m + BLOCK_M - 1 + saturate + BLOCK_N - 1) // BLOCK_N * BLOCK_N, end_n)
+        return near_start, tl.maximum(near_start, near_end)
+    else:
+        return 0, end_n
+
+
+@triton.jit
+def _far_biases(bias_row, saturate, SATURATE: tl.constexpr):
+    """The bias of the saturated ranges (every offset >= saturate, every offset <= -saturate); zeros (unread)
+    without SATURATE."""
+    if SATURATE:
+        return tl.load(bias_row + saturate), tl.load(bias_row - saturate)
+    else:
+        return 0.0, 0.0
+
+
+@triton.jit
 def _attn_fwd_kernel(QKV, BIAS, KEY_BIAS, OUT, LSE,
                      stride_b, stride_l, stride_ob, stride_ol, stride_bias_h, stride_kb, stride_lse_bh,
                      num_heads, length,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr):
     """One program: BLOCK_M queries of one (batch row, head), every key block, online softmax in base 2 (the
-    scores' scale folded into the exponent's fused multiply-add)."""
+    scores' scale folded into the exponent's fused multiply-add). The bias is loaded per score in every tile: the
+    backward's far path (one value per saturated range) made this kernel slower, split into three loops (0.414
+    against 0.329 ms for mt5-large's encoder on an H200; docs/model.md)."""
     bh, b, h, base, bias_row, key_bias_row = _head_pointers(QKV, BIAS, KEY_BIAS, stride_b, stride_bias_h, stride_kb,
                                                             num_heads, length, HEAD_DIM)
     start_m = tl.program_id(0) * BLOCK_M
@@ -164,8 +193,8 @@ def _attn_fwd_kernel(QKV, BIAS, KEY_BIAS, OUT, LSE,
         keys = start_n + tl.arange(0, BLOCK_N)
         k = _load_rows(base + inner, keys, stride_l, length, HEAD_DIM, EVEN)
         v = _load_rows(base + 2 * inner, keys, stride_l, length, HEAD_DIM, EVEN)
-        s = _scores(q, k, bias_row, key_bias_row, queries[:, None], keys[None, :], length,
-                    CAUSAL, HAS_KEY_BIAS, PRECISION, EVEN)
+        s = _scores(q, k, bias_row, key_bias_row, queries[:, None], keys[None, :], length, 0.0,
+                    CAUSAL, HAS_KEY_BIAS, PRECISION, EVEN, False)
         m_new = tl.maximum(m_i, tl.max(s, 1) * LOG2E)
         p = tl.exp2(s * LOG2E - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -188,17 +217,17 @@ def _probabilities(s, lse, query_idx, length, EVEN: tl.constexpr):
 
 @triton.jit
 def _kv_tile(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv, keys, start_m, stride_l,
-             stride_ol, length, inner, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
-             HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr):
+             stride_ol, length, inner, far_bias, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
+             HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr, FAR: tl.constexpr):
     """One [keys, queries] tile of the key-block pass: dk and dv with the tile's terms added, and the tile's score
-    gradient ds_t (for the bias gradient)."""
+    gradient ds_t (for the bias gradient). FAR: the tile's bias is the one value `far_bias` (`_scores`)."""
     queries = start_m + tl.arange(0, BLOCK)
     q = _load_rows(base, queries, stride_l, length, HEAD_DIM, EVEN)
     do = _load_rows(dout_base, queries, stride_ol, length, HEAD_DIM, EVEN)
     lse = _load_vector(lse_row, queries, length, EVEN)
     delta = _load_vector(delta_row, queries, length, EVEN)
-    s_t = _scores(k, q, bias_row, key_bias_row, queries[None, :], keys[:, None], length,
-                  CAUSAL, HAS_KEY_BIAS, PRECISION, EVEN)                  # [keys, queries]
+    s_t = _scores(k, q, bias_row, key_bias_row, queries[None, :], keys[:, None], length, far_bias,
+                  CAUSAL, HAS_KEY_BIAS, PRECISION, EVEN, FAR)             # [keys, queries]
     p_t = _probabilities(s_t, lse[None, :], queries[None, :], length, EVEN)
     dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -208,19 +237,31 @@ def _kv_tile(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, 
 
 
 @triton.jit
+def _kv_tiles(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv, keys, start, end, stride_l,
+              stride_ol, length, inner, far_bias, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
+              HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr, FAR: tl.constexpr):
+    """The key-block pass over query blocks [start, end) without the bias gradient: dk and dv with their terms."""
+    for start_m in range(start, end, BLOCK):
+        dk, dv, ds_t = _kv_tile(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv, keys,
+                                start_m, stride_l, stride_ol, length, inner, far_bias, HEAD_DIM, BLOCK, CAUSAL,
+                                HAS_KEY_BIAS, PRECISION, EVEN, FAR)
+    return dk, dv
+
+
+@triton.jit
 def _far_tiles(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv, keys, start, end,
-               diagonal_row, top, carried, stride_l, stride_ol, length, inner, HEAD_DIM: tl.constexpr,
+               diagonal_row, top, carried, stride_l, stride_ol, length, inner, far_bias, HEAD_DIM: tl.constexpr,
                BLOCK: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr,
                EVEN: tl.constexpr):
-    """The key-block pass over query blocks [start, end) whose tiles lie wholly in one saturated range: dk and dv
-    with their terms added, and each tile's score gradient summed whole (row sums, returned as a vector). Each
-    tile's slots in the diagonal row get what is carried to it (the diagonals of the tile before it, zeros after a
-    far tile); returns dk, dv, the sums and what is carried on (zeros once a tile ran)."""
+    """The key-block pass over query blocks [start, end) whose tiles lie wholly in one saturated range (bias
+    `far_bias`): dk and dv with their terms added, and each tile's score gradient summed whole (row sums, returned
+    as a vector). Each tile's slots in the diagonal row get what is carried to it (the diagonals of the tile before
+    it, zeros after a far tile); returns dk, dv, the sums and what is carried on (zeros once a tile ran)."""
     total = tl.zeros([BLOCK], tl.float32)
     for start_m in range(start, end, BLOCK):
         dk, dv, ds_t = _kv_tile(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv, keys,
-                                start_m, stride_l, stride_ol, length, inner, HEAD_DIM, BLOCK, CAUSAL,
-                                HAS_KEY_BIAS, PRECISION, EVEN)
+                                start_m, stride_l, stride_ol, length, inner, far_bias, HEAD_DIM, BLOCK, CAUSAL,
+                                HAS_KEY_BIAS, PRECISION, EVEN, True)
         total += tl.sum(ds_t, 1)
         tl.store(diagonal_row + top - start_m, carried)
         carried = tl.zeros([BLOCK], tl.float32)
@@ -230,7 +271,7 @@ def _far_tiles(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v
 @triton.jit
 def _attn_bwd_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS, SATURATED,
                         stride_b, stride_l, stride_db, stride_dl, stride_ob, stride_ol, stride_bias_h, stride_kb,
-                        stride_lse_bh, num_heads, length, num_blocks, far_blocks,
+                        stride_lse_bh, num_heads, length, num_blocks, far_blocks, saturate,
                         HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
                         HAS_KEY_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, SATURATE: tl.constexpr,
                         PRECISION: tl.constexpr, EVEN: tl.constexpr):
@@ -242,9 +283,10 @@ def _attn_bwd_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS, 
     skipped). BIAS_GRAD off: none written.
 
     SATURATE: tiles `far_blocks` or more blocks off the diagonal have every offset in a saturated range (all >= the
-    caller's `saturate`, or all <= -saturate), where the bias has one value; such a tile's gradient is summed whole
-    instead of along its diagonals (its slots in the row get zeros) and the program's two sums go to SATURATED
-    [B, H, key blocks, 2] (the range above, the range below)."""
+    caller's `saturate`, or all <= -saturate), where the bias has one value; such a tile adds that value (no
+    per-score load), and with BIAS_GRAD its gradient is summed whole instead of along its diagonals (its slots in
+    the row get zeros) and the program's two sums go to SATURATED [B, H, key blocks, 2] (the range above, the range
+    below)."""
     bh, b, h, base, bias_row, key_bias_row = _head_pointers(QKV, BIAS, KEY_BIAS, stride_b, stride_bias_h, stride_kb,
                                                             num_heads, length, HEAD_DIM)
     block_n = tl.program_id(0)
@@ -259,6 +301,11 @@ def _attn_bwd_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS, 
     dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     first_m = start_n if CAUSAL else 0             # causal: the tiles above the diagonal are all masked
+    # the query blocks of this key block: far above the diagonal (key - query >= saturate in every score), near it,
+    # far below (<= -saturate); without SATURATE all are near
+    near_start = tl.maximum(first_m, (block_n - far_blocks + 1) * BLOCK)
+    near_end = tl.maximum(near_start, tl.minimum(length, (block_n + far_blocks) * BLOCK))
+    far_above, far_below = _far_biases(bias_row, saturate, SATURATE)
     if BIAS_GRAD:
         rows = tl.arange(0, BLOCK)[:, None]
         cols = tl.arange(0, BLOCK)[None, :]
@@ -272,18 +319,14 @@ def _attn_bwd_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS, 
         for start_m in range(0, first_m, BLOCK):
             tl.store(diagonal_row + top - start_m, tl.zeros([BLOCK], tl.float32))
         carried = tl.zeros([BLOCK], tl.float32)        # the previous tile's diagonals up to its corner
-        # the query blocks of this key block: far above the diagonal (key - query >= saturate in every score),
-        # near it, far below (<= -saturate); without SATURATE all are near
-        near_start = tl.maximum(first_m, (block_n - far_blocks + 1) * BLOCK)
-        near_end = tl.maximum(near_start, tl.minimum(length, (block_n + far_blocks) * BLOCK))
         dk, dv, above, carried = _far_tiles(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv,
                                             keys, first_m, near_start, diagonal_row, top, carried, stride_l,
-                                            stride_ol, length, inner, HEAD_DIM, BLOCK, CAUSAL, HAS_KEY_BIAS,
-                                            PRECISION, EVEN)
+                                            stride_ol, length, inner, far_above, HEAD_DIM, BLOCK,
+                                            CAUSAL, HAS_KEY_BIAS, PRECISION, EVEN)
         for start_m in range(near_start, near_end, BLOCK):
             dk, dv, ds_t = _kv_tile(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv, keys,
-                                    start_m, stride_l, stride_ol, length, inner, HEAD_DIM, BLOCK, CAUSAL,
-                                    HAS_KEY_BIAS, PRECISION, EVEN)
+                                    start_m, stride_l, stride_ol, length, inner, 0.0, HEAD_DIM, BLOCK, CAUSAL,
+                                    HAS_KEY_BIAS, PRECISION, EVEN, False)
             # the diagonals of ds_t: skewed[r, c] = ds_t[r, (r + c) % BLOCK] has key - query offset -c where r + c <
             # BLOCK, BLOCK - c where it wrapped; column sums of each part are the diagonal sums
             skewed = tl.gather(ds_t, skew, axis=1)
@@ -293,29 +336,57 @@ def _attn_bwd_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS, 
             carried = below
         dk, dv, under, carried = _far_tiles(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv,
                                             keys, near_end, length, diagonal_row, top, carried, stride_l, stride_ol,
-                                            length, inner, HEAD_DIM, BLOCK, CAUSAL, HAS_KEY_BIAS, PRECISION, EVEN)
+                                            length, inner, far_below, HEAD_DIM, BLOCK, CAUSAL,
+                                            HAS_KEY_BIAS, PRECISION, EVEN)
         tl.store(diagonal_row + top - padded, carried)
         if SATURATE:
             tl.store(SATURATED + 2 * program, tl.sum(above, 0))
             tl.store(SATURATED + 2 * program + 1, tl.sum(under, 0))
     else:
-        for start_m in range(first_m, length, BLOCK):
-            dk, dv, ds_t = _kv_tile(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv, keys,
-                                    start_m, stride_l, stride_ol, length, inner, HEAD_DIM, BLOCK, CAUSAL,
-                                    HAS_KEY_BIAS, PRECISION, EVEN)
+        if SATURATE:
+            dk, dv = _kv_tiles(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv, keys,
+                               first_m, near_start, stride_l, stride_ol, length, inner, far_above, HEAD_DIM, BLOCK,
+                               CAUSAL, HAS_KEY_BIAS, PRECISION, EVEN, True)
+        dk, dv = _kv_tiles(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv, keys,
+                           near_start, near_end, stride_l, stride_ol, length, inner, 0.0, HEAD_DIM, BLOCK, CAUSAL,
+                           HAS_KEY_BIAS, PRECISION, EVEN, False)
+        if SATURATE:
+            dk, dv = _kv_tiles(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v, dk, dv, keys,
+                               near_end, length, stride_l, stride_ol, length, inner, far_below, HEAD_DIM, BLOCK,
+                               CAUSAL, HAS_KEY_BIAS, PRECISION, EVEN, True)
     grad_base = DQKV + b * stride_db + h * HEAD_DIM
     _store_rows(grad_base + inner, keys, stride_dl, length, dk, HEAD_DIM, EVEN)
     _store_rows(grad_base + 2 * inner, keys, stride_dl, length, dv, HEAD_DIM, EVEN)
 
 
 @triton.jit
+def _q_tiles(q, do, lse, delta, dq, base, bias_row, key_bias_row, queries, start, end, far_bias, stride_l, length,
+             inner, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEY_BIAS: tl.constexpr,
+             PRECISION: tl.constexpr, EVEN: tl.constexpr, FAR: tl.constexpr):
+    """The query-block pass over key blocks [start, end): dq with their terms added."""
+    for start_n in range(start, end, BLOCK_N):
+        keys = start_n + tl.arange(0, BLOCK_N)
+        k = _load_rows(base + inner, keys, stride_l, length, HEAD_DIM, EVEN)
+        v = _load_rows(base + 2 * inner, keys, stride_l, length, HEAD_DIM, EVEN)
+        s = _scores(q, k, bias_row, key_bias_row, queries[:, None], keys[None, :], length, far_bias,
+                    CAUSAL, HAS_KEY_BIAS, PRECISION, EVEN, FAR)
+        p = _probabilities(s, lse[:, None], queries[:, None], length, EVEN)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
 def _attn_bwd_q_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV,
                        stride_b, stride_l, stride_db, stride_dl, stride_ob, stride_ol, stride_bias_h, stride_kb,
-                       stride_lse_bh, num_heads, length,
+                       stride_lse_bh, num_heads, length, saturate,
                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        CAUSAL: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-                       EVEN: tl.constexpr):
-    """One program: BLOCK_M queries of one (batch row, head), every key block: dq."""
+                       EVEN: tl.constexpr, SATURATE: tl.constexpr):
+    """One program: BLOCK_M queries of one (batch row, head), every key block: dq. SATURATE: key blocks whose every
+    offset lies in a saturated range (`_near_range`) add that range's one bias value instead of loading it per
+    score."""
     bh, b, h, base, bias_row, key_bias_row = _head_pointers(QKV, BIAS, KEY_BIAS, stride_b, stride_bias_h, stride_kb,
                                                             num_heads, length, HEAD_DIM)
     start_m = tl.program_id(0) * BLOCK_M
@@ -327,16 +398,16 @@ def _attn_bwd_q_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV,
     delta = _load_vector(DELTA + bh * stride_lse_bh, queries, length, EVEN)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     end_n = start_m + BLOCK_M if CAUSAL else length   # causal: the keys up to the last query; masked past length
-    for start_n in range(0, end_n, BLOCK_N):
-        keys = start_n + tl.arange(0, BLOCK_N)
-        k = _load_rows(base + inner, keys, stride_l, length, HEAD_DIM, EVEN)
-        v = _load_rows(base + 2 * inner, keys, stride_l, length, HEAD_DIM, EVEN)
-        s = _scores(q, k, bias_row, key_bias_row, queries[:, None], keys[None, :], length,
-                    CAUSAL, HAS_KEY_BIAS, PRECISION, EVEN)
-        p = _probabilities(s, lse[:, None], queries[:, None], length, EVEN)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    near_start, near_end = _near_range(start_m, end_n, saturate, BLOCK_M, BLOCK_N, SATURATE)
+    far_above, far_below = _far_biases(bias_row, saturate, SATURATE)
+    if SATURATE:
+        dq = _q_tiles(q, do, lse, delta, dq, base, bias_row, key_bias_row, queries, 0, near_start, far_below,
+                      stride_l, length, inner, HEAD_DIM, BLOCK_N, CAUSAL, HAS_KEY_BIAS, PRECISION, EVEN, True)
+    dq = _q_tiles(q, do, lse, delta, dq, base, bias_row, key_bias_row, queries, near_start, near_end, 0.0,
+                  stride_l, length, inner, HEAD_DIM, BLOCK_N, CAUSAL, HAS_KEY_BIAS, PRECISION, EVEN, False)
+    if SATURATE:
+        dq = _q_tiles(q, do, lse, delta, dq, base, bias_row, key_bias_row, queries, near_end, end_n, far_above,
+                      stride_l, length, inner, HEAD_DIM, BLOCK_N, CAUSAL, HAS_KEY_BIAS, PRECISION, EVEN, True)
     _store_rows(DQKV + b * stride_db + h * HEAD_DIM, queries, stride_dl, length, dq, HEAD_DIM, EVEN)
 
 
@@ -438,8 +509,8 @@ def _backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: tor
     diagonals = torch.empty((batch, num_heads, num_blocks, padded + block) if bias_grad else (1,),
                             dtype=torch.float32, device=qkv.device)     # every element written by the kernel
     far_blocks = _far_blocks(saturate, block, num_blocks)
-    saturating = bias_grad and far_blocks < num_blocks             # some tile is summed whole
-    saturated = torch.empty((batch, num_heads, num_blocks, 2) if saturating else (1,),
+    saturating = far_blocks < num_blocks             # some tile lies in a saturated range (its gradient summed whole)
+    saturated = torch.empty((batch, num_heads, num_blocks, 2) if bias_grad and saturating else (1,),
                             dtype=torch.float32, device=qkv.device)
     common = dict(HEAD_DIM=head_dim, CAUSAL=causal, HAS_KEY_BIAS=has_key_bias, PRECISION=_precision(qkv.dtype))
     kv_config.update(BIAS_GRAD=bias_grad, SATURATE=saturating)
@@ -447,10 +518,11 @@ def _backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: tor
                bias_by_offset.stride(0), stride_kb, lse.stride(1))
     _attn_bwd_kv_kernel[(num_blocks, batch * num_heads)](
         qkv, bias_by_offset, key_bias_arg, dout, lse, delta, dqkv, diagonals, saturated, *strides, num_heads, length,
-        num_blocks, far_blocks, **common, EVEN=_even(length, block), **kv_config)
+        num_blocks, far_blocks, saturate, **common, EVEN=_even(length, block), **kv_config)
     _attn_bwd_q_kernel[(triton.cdiv(length, q_config["BLOCK_M"]), batch * num_heads)](
-        qkv, bias_by_offset, key_bias_arg, dout, lse, delta, dqkv, *strides, num_heads, length,
-        **common, EVEN=_even(length, q_config["BLOCK_M"], q_config["BLOCK_N"]), **q_config)
+        qkv, bias_by_offset, key_bias_arg, dout, lse, delta, dqkv, *strides, num_heads, length, saturate,
+        **common, EVEN=_even(length, q_config["BLOCK_M"], q_config["BLOCK_N"]), SATURATE=0 < saturate < length,
+        **q_config)
     if not bias_grad:
         return dqkv, torch.zeros_like(bias_by_offset)
     dbias = _sum_diagonals(diagonals, length, block)
@@ -493,7 +565,8 @@ def relative_attention(qkv: torch.Tensor, bias_by_offset: torch.Tensor, num_head
     saturate > 0 says that bias_by_offset has one value per head at every offset >= saturate and one at every offset
     <= -saturate (T5's last buckets: `RelativePositionBias.saturate`). The bias gradient of each such range is then
     exact as a sum only, and so what reaches the bucket table is exact: score tiles with every offset in one range
-    are summed whole, not along their diagonals, and their sum is put at the range's first offset."""
+    are summed whole, not along their diagonals, and their sum is put at the range's first offset. The backward
+    passes read each range's bias at its first offset for such tiles (the forward reads every score's own)."""
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     return _forward(qkv, bias_by_offset.float().contiguous(),

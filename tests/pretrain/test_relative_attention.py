@@ -105,6 +105,45 @@ def test_saturated_ranges_of_the_bias_gradient_are_exact_as_sums(batch, length, 
     assert not torch.allclose(got[:, offsets <= -saturate], want[:, offsets <= -saturate], atol=1e-3 * scale)
 
 
+@pytest.mark.parametrize("batch, length, causal, saturate", [
+    (1, 300, False, 70),     # a partial block; far tiles on both sides in both passes' blocks
+    (2, 256, False, 6),      # whole blocks (EVEN)
+    (1, 300, True, 12),      # causal: only the range below
+])
+@pytest.mark.parametrize("bias_grad", [True, False])
+def test_the_backward_gives_far_tiles_their_ranges_one_bias_value(batch, length, causal, saturate, bias_grad):
+    """With `saturate`, both backward passes give a tile whose every offset lies in a saturated range that range's
+    bias at its first offset (one value, no per-score load). Handed a bias whose ranges hold one value but for the
+    offsets so far out that only such tiles hold them, the backward gives the q|k|v gradient of the bias without
+    those values, as the per-score path (saturate=0) does for that bias, and not what the per-score path gives for
+    the bias handed: the far path ran in the key-block pass (with and without the bias gradient) and the query-block
+    pass."""
+    from pretrain.model import relative_attention as kernels
+    span = max(kernels.BACKWARD_Q["BLOCK_M"] + kernels.BACKWARD_Q["BLOCK_N"], 2 * kernels.BACKWARD_KV["BLOCK"])
+    generator = torch.Generator().manual_seed(length + saturate)
+    heads, head_dim = 2, 16
+    qkv = torch.randn(batch, length, 3 * heads * head_dim, generator=generator).to(DEVICE)
+    offsets = torch.arange(1 - length, length)
+    flat = torch.randn(heads, 2 * length - 1, generator=generator)
+    flat[:, offsets >= saturate] = flat[:, [length - 1 + saturate]]       # one value per saturated range
+    flat[:, offsets <= -saturate] = flat[:, [length - 1 - saturate]]
+    outermost = offsets.abs() >= saturate + span
+    assert outermost[offsets < 0].any() and (causal or outermost[offsets > 0].any())
+    bias = flat.clone()
+    bias[:, outermost] += 4.0 * torch.randn(heads, int(outermost.sum()), generator=generator)
+    flat, bias = flat.to(DEVICE), bias.to(DEVICE)
+    dout = torch.randn(batch, length, heads * head_dim, generator=generator).to(DEVICE)
+    out, lse = torch.ops.t5zero.relative_attention_forward(qkv, flat, None, heads, causal, 0)
+
+    def dqkv(given, far):
+        return torch.ops.t5zero.relative_attention_backward(dout, qkv, out, lse, given, None, heads, causal,
+                                                            bias_grad, saturate if far else 0)[0]
+
+    want = dqkv(flat, far=False)
+    assert relative_error(dqkv(bias, far=True), want) < 1e-6
+    assert relative_error(dqkv(bias, far=False), want) > 1e-3
+
+
 def test_the_saturating_offset_is_where_t5s_buckets_stop_changing():
     """mT5's buckets (32, max distance 128): the encoder's last bucket per side from offset 91 on, the decoder's
     from 113; the bias of the stacks carries it to the kernels."""
