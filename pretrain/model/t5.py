@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import math
 import os
 from dataclasses import dataclass
@@ -134,10 +135,13 @@ def triton_attention_measured() -> bool:
     return torch.cuda.get_device_capability() >= (9, 0) and triton_importable()
 
 
-@functools.lru_cache(maxsize=None)
+_TRITON_FOUND = importlib.util.find_spec("triton") is not None
+
+
 def triton_importable() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("triton") is not None
+    """Whether the triton package is there (looked up once, at import: the compiled blocks call this, and Dynamo
+    warns at every compile about a call to an `lru_cache`-wrapped function)."""
+    return _TRITON_FOUND
 
 
 def require_kernel_device(setting: str, device_type: str, instead: str) -> None:
