@@ -147,16 +147,18 @@ def _scores(a, b, bias_row, key_bias_row, query_idx, key_idx, length, far_bias,
 
 
 @triton.jit
-def _near_range(start_m, end_n, saturate, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SATURATE: tl.constexpr):
-    """[near_start, near_end) of the key blocks (BLOCK_N, from 0 to end_n) that a query block [start_m, start_m +
-    BLOCK_M) scores with some offset inside (-saturate, saturate): those before it have every offset <= -saturate,
-    those after it every offset >= saturate. Without SATURATE, every block."""
+def _near_range(start, end, saturate, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SATURATE: tl.constexpr):
+    """[near_start, near_end) of the blocks (BLOCK_N wide, from 0 to end) whose tiles with the block [start, start +
+    BLOCK_M) of the other side hold some offset inside (-saturate, saturate); every offset of a tile with a block
+    before that range is on one side of it (<= -saturate from a query block: its keys; >= saturate from a key
+    block: its queries), after it on the other. The range is symmetric, so one rule serves both passes. Without
+    SATURATE, every block."""
     if SATURATE:
-        near_start = tl.minimum(tl.maximum(start_m + 1 - saturate, 0) // BLOCK_N * BLOCK_N, end_n)
-        near_end = tl.minimum((start_m + BLOCK_M - 1 + saturate + BLOCK_N - 1) // BLOCK_N * BLOCK_N, end_n)
+        near_start = tl.minimum(tl.maximum(start + 1 - saturate, 0) // BLOCK_N * BLOCK_N, end)
+        near_end = tl.minimum((start + BLOCK_M - 1 + saturate + BLOCK_N - 1) // BLOCK_N * BLOCK_N, end)
         return near_start, tl.maximum(near_start, near_end)
     else:
-        return 0, end_n
+        return 0, end
 
 
 @triton.jit
@@ -271,7 +273,7 @@ def _far_tiles(base, dout_base, bias_row, key_bias_row, lse_row, delta_row, k, v
 @triton.jit
 def _attn_bwd_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS, SATURATED,
                         stride_b, stride_l, stride_db, stride_dl, stride_ob, stride_ol, stride_bias_h, stride_kb,
-                        stride_lse_bh, num_heads, length, num_blocks, far_blocks, saturate,
+                        stride_lse_bh, num_heads, length, num_blocks, saturate,
                         HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
                         HAS_KEY_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, SATURATE: tl.constexpr,
                         PRECISION: tl.constexpr, EVEN: tl.constexpr):
@@ -282,7 +284,7 @@ def _attn_bwd_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS, 
     each is carried to the next tile and stored once, added (causal: zeros where tiles above the diagonal are
     skipped). BIAS_GRAD off: none written.
 
-    SATURATE: tiles `far_blocks` or more blocks off the diagonal have every offset in a saturated range (all >= the
+    SATURATE: tiles far enough off the diagonal (`_near_range`) have every offset in a saturated range (all >= the
     caller's `saturate`, or all <= -saturate), where the bias has one value; such a tile adds that value (no
     per-score load), and with BIAS_GRAD its gradient is summed whole instead of along its diagonals (its slots in
     the row get zeros) and the program's two sums go to SATURATED [B, H, key blocks, 2] (the range above, the range
@@ -303,8 +305,9 @@ def _attn_bwd_kv_kernel(QKV, BIAS, KEY_BIAS, DOUT, LSE, DELTA, DQKV, DIAGONALS, 
     first_m = start_n if CAUSAL else 0             # causal: the tiles above the diagonal are all masked
     # the query blocks of this key block: far above the diagonal (key - query >= saturate in every score), near it,
     # far below (<= -saturate); without SATURATE all are near
-    near_start = tl.maximum(first_m, (block_n - far_blocks + 1) * BLOCK)
-    near_end = tl.maximum(near_start, tl.minimum(length, (block_n + far_blocks) * BLOCK))
+    near_start, near_end = _near_range(start_n, length, saturate, BLOCK, BLOCK, SATURATE)
+    near_start = tl.maximum(first_m, near_start)
+    near_end = tl.maximum(near_start, near_end)
     far_above, far_below = _far_biases(bias_row, saturate, SATURATE)
     if BIAS_GRAD:
         rows = tl.arange(0, BLOCK)[:, None]
@@ -518,7 +521,7 @@ def _backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: tor
                bias_by_offset.stride(0), stride_kb, lse.stride(1))
     _attn_bwd_kv_kernel[(num_blocks, batch * num_heads)](
         qkv, bias_by_offset, key_bias_arg, dout, lse, delta, dqkv, diagonals, saturated, *strides, num_heads, length,
-        num_blocks, far_blocks, saturate, **common, EVEN=_even(length, block), **kv_config)
+        num_blocks, saturate, **common, EVEN=_even(length, block), **kv_config)
     _attn_bwd_q_kernel[(triton.cdiv(length, q_config["BLOCK_M"]), batch * num_heads)](
         qkv, bias_by_offset, key_bias_arg, dout, lse, delta, dqkv, *strides, num_heads, length, saturate,
         **common, EVEN=_even(length, q_config["BLOCK_M"], q_config["BLOCK_N"]), SATURATE=0 < saturate < length,
