@@ -32,7 +32,8 @@ ours-compile-triton-torchgate (the same with `gated_gelu="torch"`: the feed-forw
 by our kernels of pretrain/model/gated_gelu.py; the A/B of those); ours-compile-triton-graphed (the same step captured
 whole in one CUDA graph and replayed: a diagnostic of what the host's launches cost, CUDA only; `pretrain` does not
 do this); ours-compile-triton-perdiagonal (the attention's bias gradient summed along the diagonals of every score
-tile, as before score tiles in T5's last bucket were summed whole; the A/B of that).
+tile, as before score tiles in T5's last bucket were summed whole; the A/B of that); ours-compile-triton-fp8 (the
+blocks' linears as FP8 GEMMs, pretrain/model/fp8.py: `pretrain --precision fp8`; MFU still on the bf16 peak).
 
 `--profile VARIANT` traces 3 steps twice: with host events (the op table, kernel time by family) and with device
 activity only (the host's pace close to an untraced run's: the device's busy share and its idle gaps, named by the
@@ -62,7 +63,8 @@ from pretrain.model.hf import to_hf  # noqa: E402
 from pretrain.model.t5 import T5Model, build  # noqa: E402
 
 VARIANTS = ("hf", "hf-compile", "ours", "ours-compile", "ours-compile-flex", "ours-compile-triton",
-            "ours-compile-triton-torchgate", "ours-compile-triton-graphed", "ours-compile-triton-perdiagonal")
+            "ours-compile-triton-torchgate", "ours-compile-triton-graphed", "ours-compile-triton-perdiagonal",
+            "ours-compile-triton-fp8")
 
 
 def sync(device: str) -> None:
@@ -245,6 +247,9 @@ def prepare(variant: str, ours_cpu, device: str):
         if variant.endswith("-perdiagonal"):
             for stack in (model.encoder, model.decoder):
                 stack.relative_attention_bias.saturate = 0
+        if variant.endswith("-fp8"):
+            from pretrain.model.fp8 import convert_to_fp8
+            convert_to_fp8(model, device)
     model = model.to(device=device, dtype=torch.bfloat16).train()
     if "-compile" in variant:
         if variant.startswith("hf"):

@@ -58,9 +58,11 @@ from pretrain.preflight import resolve_vocab_size  # noqa: E402
 from pretrain.trainer import LRSchedule  # noqa: E402
 
 VARIANTS = ("ours", "ours-compile", "hf", "hf-compile")
-OPT_IN_VARIANTS = ("ours-compile-flex", "ours-compile-triton", "ours-compile-triton-perdiagonal")   # named in
+OPT_IN_VARIANTS = ("ours-compile-flex", "ours-compile-triton", "ours-compile-triton-perdiagonal",
+                   "ours-compile-triton-fp8")   # named in
 # --variants only: `attention: flex` or `triton`, compiled (CUDA: FlexAttention has no CPU backward, our Triton kernels
-# run on CPU only interpreted); -perdiagonal: the bias gradient of every score tile along its diagonals (saturate 0)
+# run on CPU only interpreted); -perdiagonal: the bias gradient of every score tile along its diagonals (saturate 0);
+# -fp8: the blocks' linears as FP8 GEMMs (pretrain/model/fp8.py)
 PRETRAIN_VARIANTS = ("pretrain", "pretrain-compile")
 PRETRAIN_OPT_IN = ("pretrain-compile-fused",)   # named in --variants only: --compile --optimizer-step fused
 
@@ -87,6 +89,9 @@ def prepare(variant: str, ours_cpu: T5Model, device: str) -> torch.nn.Module:
         if variant.endswith("-perdiagonal"):
             for stack in (model.encoder, model.decoder):
                 stack.relative_attention_bias.saturate = 0
+        if variant.endswith("-fp8"):
+            from pretrain.model.fp8 import convert_to_fp8
+            convert_to_fp8(model, device)
     model = model.to(device=device, dtype=torch.float32).train()
     if variant == "hf-compile":
         model = torch.compile(model, dynamic=False)

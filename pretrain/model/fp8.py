@@ -1,0 +1,223 @@
+"""FP8 GEMMs for the blocks' linear layers, opt-in: one scale per tensor, found and applied by our own two kernels.
+
+    convert_to_fp8(model)                  # before compile_regions() and before the optimizer is made
+    y = fp8_linear(x, weight)              # = x @ weight.T, through torch._scaled_mm
+
+Forward: x and the weight in e4m3 (max 448); backward: the output gradient in e5m2 (max 57344, the range gradients
+need), both gradient GEMMs in FP8 too (e5m2 x e4m3). Each tensor's scale is FP8_MAX / amax, found in the same step
+("dynamic" scaling, torchao's `tensorwise` recipe): one kernel writes the largest |value| of each slice of the
+tensor, a second reads those maxima, scales, saturates and casts, and writes the FP8 copy both as it is and
+transposed, since `_scaled_mm` takes its first operand row-major and its second column-major, and the weight
+gradient needs the activations and the output gradient the other way round. The forward keeps x's transposed FP8
+copy (1 byte an element) for the weight gradient instead of x itself.
+
+torchao's float8 training did the same casts through Inductor and was slower than bf16 here (0.94x at mt5-large,
+docs/model.md "FP8 GEMMs"); the GEMMs alone are 1.6-1.9x faster in FP8 on an H200 (same page). The weights stay
+the bf16 parameters that the optimizer updates: same names, same state dict, and `to_hf` sees plain linears.
+
+On a machine without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 before this module is
+imported, as the tests do; torch rounds to FP8 there) and `_scaled_mm` on the CPU: slow, for the tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+
+from pipeline.common import UserError
+
+FORWARD_DTYPE, GRAD_DTYPE = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_MAX = {FORWARD_DTYPE: 448.0, GRAD_DTYPE: 57344.0}
+ALIGNMENT = 16           # _scaled_mm: every dimension of both operands (the token count is the weight gradient's inner)
+CONVERTED_STACKS = ("encoder.blocks.", "decoder.blocks.")
+FP8_MIN_CAPABILITY = (8, 9)          # CUDA compute capability with FP8 tensor cores (Ada, Hopper, Blackwell)
+AMAX_PROGRAMS = 1024                 # at most this many slices, whose maxima the cast kernel reads (a power of two)
+AMAX_BLOCK = 4096
+CAST_ROWS, CAST_COLUMNS = 64, 64
+
+
+@triton.jit
+def _amax_kernel(X, PARTIAL, n, PROGRAMS: tl.constexpr, BLOCK: tl.constexpr):
+    """PARTIAL[p] = max |X| over this program's blocks p, p + PROGRAMS, ... of the flat X (n elements)."""
+    p = tl.program_id(0)
+    largest = tl.zeros([BLOCK], tl.float32)
+    for start in range(p * BLOCK, n, PROGRAMS * BLOCK):
+        index = start + tl.arange(0, BLOCK).to(tl.int64)
+        largest = tl.maximum(largest, tl.abs(tl.load(X + index, mask=index < n, other=0.0).to(tl.float32)))
+    tl.store(PARTIAL + p, tl.max(largest, 0))
+
+
+@triton.jit
+def _cast_kernel(X, PARTIAL, OUT, OUT_T, INVERSE, rows, columns, stride_x,
+                 FP8_MAX_VALUE: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                 TRANSPOSE: tl.constexpr):
+    """OUT [rows, columns] = saturate(X * FP8_MAX_VALUE / amax) in OUT's FP8 type (and OUT_T, its transpose, with
+    TRANSPOSE); amax from the amax kernel's PARTIAL maxima; INVERSE[0] = amax / FP8_MAX_VALUE, the dequantising
+    scale. The transpose is taken in fp32 and rounded on its own (the same values): stored straight from the FP8 tile
+    through a transposed pointer tile, the H200 wrote wrong bytes for fp32 inputs."""
+    amax = tl.max(tl.load(PARTIAL + tl.arange(0, PROGRAMS)), 0)
+    scale = FP8_MAX_VALUE / tl.maximum(amax, 1e-12)
+    r0 = tl.program_id(0) * BLOCK_R
+    c0 = tl.program_id(1) * BLOCK_C
+    r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
+    c = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)[None, :]
+    x = tl.load(X + r * stride_x + c, mask=(r < rows) & (c < columns), other=0.0).to(tl.float32)
+    v = tl.minimum(tl.maximum(x * scale, -FP8_MAX_VALUE), FP8_MAX_VALUE)
+    tl.store(OUT + r * columns + c, v.to(OUT.dtype.element_ty), mask=(r < rows) & (c < columns))   # OUT fp32: as is
+    if TRANSPOSE:
+        rt = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)[None, :]
+        ct = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)[:, None]
+        tl.store(OUT_T + ct * rows + rt, tl.trans(v).to(OUT_T.dtype.element_ty), mask=(ct < columns) & (rt < rows))
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(INVERSE, 1.0 / scale)
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"   # as Triton read it when the kernels above were defined
+
+
+def _launch(kernel):
+    """The kernel as the ops call it: wrapped for torch.compile to trace (on a GPU, see _register)."""
+    return kernel if INTERPRETED else torch.library.wrap_triton(kernel)
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype, transpose: bool):
+    """(x8, x8 transposed or None, the fp32 scalar that dequantises them) of a contiguous 2-d x.
+
+    On the CPU (Triton's interpreter, whose FP8 conversion rounds wrongly: 7.77 to 4 in e4m3) the cast kernel writes
+    the scaled, saturated values in fp32 and torch rounds them to FP8; on a GPU the kernel rounds (to nearest even,
+    as torch does)."""
+    rows, columns = x.shape
+    programs = min(AMAX_PROGRAMS, triton.next_power_of_2(triton.cdiv(x.numel(), AMAX_BLOCK)))
+    partial = torch.empty(programs, dtype=torch.float32, device=x.device)
+    _launch(_amax_kernel)[(programs,)](x, partial, x.numel(), PROGRAMS=programs, BLOCK=AMAX_BLOCK)
+    stored = torch.float32 if x.device.type == "cpu" else dtype
+    out = torch.empty(rows, columns, dtype=stored, device=x.device)
+    out_t = torch.empty((columns, rows) if transpose else (1,), dtype=stored, device=x.device)
+    inverse = torch.empty((), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(rows, CAST_ROWS), triton.cdiv(columns, CAST_COLUMNS))
+    _launch(_cast_kernel)[grid](x, partial, out, out_t, inverse, rows, columns, x.stride(0),
+                                FP8_MAX_VALUE=FP8_MAX[dtype], PROGRAMS=programs, BLOCK_R=CAST_ROWS, BLOCK_C=CAST_COLUMNS, TRANSPOSE=transpose)
+    if stored != dtype:
+        out, out_t = out.to(dtype), out_t.to(dtype)
+    return out, (out_t if transpose else None), inverse
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x = x.reshape(-1, x.shape[-1])
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def _register(name: str, fake):
+    """The op `t5zero::name`: on a GPU a `triton_op`, which torch.compile traces into, so that Inductor launches the
+    kernels from its compiled code (as custom ops, whose every call goes through Python, the casts' ~1,600 launches
+    a step of mt5-large made the step wait on the host: 314 against 237 ms in bf16, docs/model.md); under the
+    interpreter a plain custom op (its kernels cannot be traced there), with `fake` for the shapes."""
+    def decorate(fn):
+        if INTERPRETED:
+            op = torch.library.custom_op(f"t5zero::{name}", mutates_args=())(fn)
+            op.register_fake(fake)
+            return op
+        return torch.library.triton_op(f"t5zero::{name}", mutates_args=())(fn)
+    return decorate
+
+
+def _forward_fake(x, weight):
+    rows = x.numel() // x.shape[-1]
+    scalar = x.new_empty((), dtype=torch.float32)
+    return (x.new_empty(*x.shape[:-1], weight.shape[0]), x.new_empty(x.shape[-1], rows, dtype=FORWARD_DTYPE), scalar,
+            x.new_empty(weight.shape[1], weight.shape[0], dtype=FORWARD_DTYPE), scalar.clone())
+
+
+@_register("fp8_linear", _forward_fake)
+def _forward(x: torch.Tensor, weight: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x @ weight.T, and for the backward: x's transposed FP8 copy, its scale, the weight's transposed FP8 copy,
+    its scale)."""
+    x2 = _rows(x)
+    x8, x8_t, x_scale = _cast(x2, FORWARD_DTYPE, transpose=True)
+    w8, w8_t, w_scale = _cast(weight, FORWARD_DTYPE, transpose=True)
+    y = torch._scaled_mm(x8, w8.t(), x_scale, w_scale, out_dtype=x.dtype, use_fast_accum=True)
+    return y.view(*x.shape[:-1], weight.shape[0]), x8_t, x_scale, w8_t, w_scale
+
+
+def _backward_fake(dy, x8_t, x_scale, w8_t, w_scale, weight_dtype):
+    return dy.new_empty(*dy.shape[:-1], w8_t.shape[0]), dy.new_empty(w8_t.shape[1], w8_t.shape[0], dtype=weight_dtype)
+
+
+@_register("fp8_linear_backward", _backward_fake)
+def _backward(dy: torch.Tensor, x8_t: torch.Tensor, x_scale: torch.Tensor, w8_t: torch.Tensor,
+              w_scale: torch.Tensor, weight_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dweight) in FP8 GEMMs: dx = dy @ W (dy e5m2 row-major, W column-major), dW = dy.T @ x."""
+    dy2 = _rows(dy)
+    dy8, dy8_t, dy_scale = _cast(dy2, GRAD_DTYPE, transpose=True)
+    dx = torch._scaled_mm(dy8, w8_t.t(), dy_scale, w_scale, out_dtype=dy.dtype)
+    dw = torch._scaled_mm(dy8_t, x8_t.t(), dy_scale, x_scale, out_dtype=weight_dtype)
+    return dx.view(*dy.shape[:-1], w8_t.shape[0]), dw
+
+
+def _setup_context(ctx, inputs, output):
+    _, x8_t, x_scale, w8_t, w_scale = output
+    ctx.save_for_backward(x8_t, x_scale, w8_t, w_scale)
+    ctx.weight_dtype = inputs[1].dtype
+
+
+def _autograd_backward(ctx, dy, *unused):
+    x8_t, x_scale, w8_t, w_scale = ctx.saved_tensors
+    dx, dw = _backward(dy, x8_t, x_scale, w8_t, w_scale, ctx.weight_dtype)
+    return dx, dw
+
+
+torch.library.register_autograd("t5zero::fp8_linear", _autograd_backward, setup_context=_setup_context)
+
+
+def fp8_shapes_fit(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether _scaled_mm takes this product: both weight dimensions and the token count multiples of 16."""
+    rows = x.numel() // x.shape[-1]
+    return all(size % ALIGNMENT == 0 for size in (*weight.shape, rows))
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T with FP8 GEMMs forward and backward (module docstring); F.linear where a dimension is not a
+    multiple of 16 (e.g. a decoder of 114 targets at an odd micro batch)."""
+    if not fp8_shapes_fit(x, weight):
+        return F.linear(x, weight)
+    device = x.device.type
+    if torch.is_autocast_enabled(device):     # the op is not autocast's: its output in the dtype autocast would give
+        x = x.to(torch.get_autocast_dtype(device))
+    return _forward(x, weight)[0]
+
+
+class Fp8Linear(nn.Linear):
+    """An `nn.Linear` without bias whose product runs through `fp8_linear`; same parameter, same state dict."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight)
+
+
+def fp8_supported(device: torch.device | str) -> bool:
+    """Whether `device` runs FP8 GEMMs: the CPU (for tests; slow) or a CUDA device of compute capability >= 8.9."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
+
+
+def convert_to_fp8(model: nn.Module, device: torch.device | str | None = None) -> list[str]:
+    """Make every bias-free `nn.Linear` in the encoder and decoder blocks an `Fp8Linear` in place (the LM head, the
+    embedding and attention's own products stay in bf16); returns their names. Call before `compile_regions()`.
+    A UserError if `device` (default: where the model's parameters are) has no FP8 tensor cores."""
+    device = device if device is not None else next(model.parameters()).device
+    if not fp8_supported(device):
+        raise UserError(f"--precision fp8 needs a GPU of compute capability >= 8.9 (L4/L40, H100/H200, B200); "
+                        f"{device} has none: use --precision bf16")
+    names = []
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and module.bias is None and name.startswith(CONVERTED_STACKS):
+            module.__class__ = Fp8Linear
+            names.append(name)
+    return names

@@ -1,0 +1,161 @@
+"""FP8 GEMMs for the blocks' linears (pretrain/model/fp8.py): our cast kernels, the op's forward and backward, and the
+model converted.
+
+Without a GPU the cast kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1; torch rounds
+their output to FP8 there, since the interpreter's conversion is wrong) and torch._scaled_mm on the CPU. Where CUDA
+exists, the compiled kernels, whose own rounding must then equal torch's.
+
+    pytest tests/pretrain/test_fp8.py
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.pretrain.triton_kernels import DEVICE, relative_error, require_kernels
+
+require_kernels()
+
+from pipeline.common import UserError  # noqa: E402
+from pretrain.model import fp8  # noqa: E402
+from pretrain.model.t5 import build, load_config  # noqa: E402
+
+SMALLEST_NORMAL = {fp8.FORWARD_DTYPE: 2.0 ** -6, fp8.GRAD_DTYPE: 2.0 ** -14}
+
+
+def torch_cast(x, dtype):
+    """The tensorwise cast by torch's own conversion: (x * max / amax saturated, as dtype; amax / max)."""
+    top = fp8.FP8_MAX[dtype]
+    amax = x.detach().abs().max().float().clamp(min=1e-12)
+    scale = top / amax
+    return (x.float() * scale).clamp(-top, top).to(dtype), 1.0 / scale
+
+
+@pytest.mark.parametrize("dtype", [fp8.FORWARD_DTYPE, fp8.GRAD_DTYPE])
+@pytest.mark.parametrize("shape", [(96, 80), (37, 144), (5000, 16)])   # ragged tiles, more blocks than programs
+def test_the_cast_is_torchs_conversion_both_ways_round(dtype, shape):
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=generator) * 3).to(torch.bfloat16).to(DEVICE)
+    x[1, 2] = -50.0                                                   # the amax, negative
+    x[0, :4] = torch.tensor([1e-3, -5e-4, 3e-8, -1e-8])              # subnormal once scaled (e4m3, e5m2)
+    x8, x8_t, inverse = fp8._cast(x, dtype, transpose=True)
+    want, want_inverse = torch_cast(x, dtype)
+    assert x8.dtype == x8_t.dtype == dtype and x8.shape == shape and x8_t.shape == shape[::-1]
+    assert torch.equal(x8_t.t().float(), x8.float())
+    assert torch.allclose(inverse.cpu(), want_inverse.cpu(), rtol=1e-6)
+    got, want = x8.float().cpu(), want.float().cpu()
+    assert torch.equal(got, want)
+    assert ((want.abs() < SMALLEST_NORMAL[dtype]) & (want != 0)).any()       # subnormals among them
+    assert got.abs().max() == fp8.FP8_MAX[dtype]                     # the amax maps onto the format's largest value
+
+
+def test_an_all_zero_tensor_casts_to_zeros():
+    x8, _, inverse = fp8._cast(torch.zeros(32, 32, device=DEVICE), fp8.FORWARD_DTYPE, transpose=False)
+    assert not x8.float().any() and torch.isfinite(inverse).all()
+
+
+def emulated(x, weight, dy):
+    """y, dx, dw by the same casts done with torch, and float32 products of the dequantised values."""
+    x8, sx = torch_cast(x, fp8.FORWARD_DTYPE)
+    w8, sw = torch_cast(weight, fp8.FORWARD_DTYPE)
+    d8, sd = torch_cast(dy, fp8.GRAD_DTYPE)
+    xq, wq, dq = x8.float() * sx, w8.float() * sw, d8.float() * sd
+    return xq @ wq.t(), dq @ wq, dq.t() @ xq
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_linear_and_its_gradients_are_the_fp8_products(dtype):
+    """Forward, input gradient and weight gradient each equal the product of the FP8-rounded operands (to the
+    output's rounding), and stay within FP8's error of the exact product."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 24, 64, generator=generator).to(dtype).to(DEVICE).requires_grad_()
+    weight = (torch.randn(48, 64, generator=generator) * 0.1).to(dtype).to(DEVICE).requires_grad_()
+    dy = torch.randn(4, 24, 48, generator=generator).to(dtype).to(DEVICE)
+    y = fp8.fp8_linear(x, weight)
+    y.backward(dy)
+    assert y.dtype == x.grad.dtype == weight.grad.dtype == dtype
+    assert y.shape == (4, 24, 48) and x.grad.shape == x.shape and weight.grad.shape == weight.shape
+    want_y, want_dx, want_dw = emulated(x.detach().reshape(-1, 64), weight.detach(), dy.reshape(-1, 48))
+    # fp32 outputs: the CPU's products are exact to fp32; FP8 tensor cores accumulate in their own order and width
+    rounding = 1e-2 if dtype == torch.bfloat16 else 1e-6 if DEVICE == "cpu" else 1e-3
+    assert relative_error(y.reshape(-1, 48), want_y) < rounding
+    assert relative_error(x.grad.reshape(-1, 64), want_dx) < rounding
+    assert relative_error(weight.grad, want_dw) < rounding
+    exact = x.detach().double().reshape(-1, 64)
+    assert relative_error(y.reshape(-1, 48), exact @ weight.detach().double().t()) < 0.05
+    assert relative_error(weight.grad, dy.double().reshape(-1, 48).t() @ exact) < 0.1
+
+
+def test_shapes_fp8_cannot_take_fall_back_to_the_plain_linear():
+    x = torch.randn(3, 7, 64, device=DEVICE)                         # 21 rows: the weight gradient's inner dimension
+    weight = torch.randn(32, 64, device=DEVICE)
+    assert not fp8.fp8_shapes_fit(x, weight)
+    assert torch.equal(fp8.fp8_linear(x, weight), F.linear(x, weight))
+
+
+def test_convert_swaps_the_block_linears_and_keeps_the_state_dict():
+    model = build(load_config("t5-tiny"), seed=0).to(DEVICE)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    names = fp8.convert_to_fp8(model)
+    linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    assert names and set(names) == {name for name in linears if name.startswith(("encoder.blocks.", "decoder.blocks."))}
+    assert all(type(model.get_submodule(name)) is fp8.Fp8Linear for name in names)
+    assert type(model.lm_head) is not fp8.Fp8Linear
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[name], before[name]) for name in before)
+
+
+def test_a_converted_model_trains_and_compiles_to_the_same_loss():
+    """t5-tiny (widths of 16 and more) converted: its loss falls over a few steps on one batch, and compile_regions
+    (aot_eager on the CPU, Inductor on a GPU, which traces into the ops there) gives the eager model's loss and
+    gradients."""
+    config = load_config("t5-tiny")
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, config.vocab_size - 100, (4, 32), generator=generator).to(DEVICE)
+    labels = torch.randint(3, config.vocab_size - 100, (4, 16), generator=generator).to(DEVICE)
+    models = []
+    for compiled in (False, True):
+        model = build(config, seed=0).to(DEVICE)
+        fp8.convert_to_fp8(model)
+        if compiled:
+            model.compile_regions(backend="aot_eager" if DEVICE == "cpu" else "inductor")
+        models.append(model)
+    losses = []
+    for model in models:
+        model(input_ids, labels=labels).backward()
+    eager, compiled = models
+    if DEVICE == "cpu":            # aot_eager runs the same ops: the same bits
+        assert torch.equal(eager(input_ids, labels=labels), compiled(input_ids, labels=labels))
+        for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters()):
+            assert torch.equal(a.grad, b.grad), name
+    else:                          # Inductor's fused norms round differently, and an FP8 rounding may flip with them
+        assert relative_error(compiled(input_ids, labels=labels), eager(input_ids, labels=labels)) < 1e-3
+        for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters()):
+            assert relative_error(b.grad, a.grad) < 5e-2, name
+    optimizer = torch.optim.AdamW(eager.parameters(), lr=3e-3)
+    for _ in range(8):
+        optimizer.zero_grad()
+        loss = eager(input_ids, labels=labels)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_a_device_without_fp8_is_a_user_error():
+    model = build(load_config("t5-tiny"), seed=0)
+    with pytest.raises(UserError, match="--precision bf16"):
+        fp8.convert_to_fp8(model, device="meta")
+
+
+def test_under_autocast_the_output_is_autocasts_dtype_and_the_gradients_the_parameters():
+    x = torch.randn(2, 16, 32, device=DEVICE, requires_grad=True)
+    weight = torch.randn(48, 32, device=DEVICE, requires_grad=True)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        y = fp8.fp8_linear(x, weight)
+        want = F.linear(x, weight)
+    assert y.dtype == want.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == weight.grad.dtype == torch.float32
+    assert relative_error(y, want) < 0.05
