@@ -21,7 +21,7 @@ from pipeline.settings import add_flags, build_settings, merged_settings, settin
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "cpu", "nvme")
 SCHEDULES = ("constant", "linear", "cosine", "inverse_sqrt")
-PRECISIONS = ("auto", "bf16", "fp32")
+PRECISIONS = ("auto", "bf16", "fp32", "fp8")    # fp8: bf16 plus FP8 GEMMs in the blocks (pretrain.model.fp8)
 LOADERS = ("shards", "online", "remote")   # pretrain.data: mmap'd shard set, text tokenised in the workers, s3 stream
 CPU_AFFINITIES = ("none", "split")
 GATHER_UNITS = ("block", "stack")     # ZeRO 3's unit of gathering; pretrain.model.zero3 maps each to a module
@@ -56,7 +56,11 @@ class TrainConfig:
     adam_beta2: float = setting(0.999, "AdamW beta2")
     adam_eps: float = setting(1e-8, "AdamW epsilon")
     grad_clip: float = setting(1.0, "gradient-norm clip, 0 disables")
-    precision: str = setting("auto", "auto: bf16 on GPU, fp32 on CPU (also --bf16 / --fp32)", choices=PRECISIONS)
+    precision: str = setting("auto", "auto: bf16 on GPU, fp32 on CPU (also --bf16 / --fp32); fp8: bf16 (DeepSpeed's "
+                                     "bf16 engine) with the encoder/decoder blocks' linear layers as FP8 GEMMs "
+                                     "(pretrain/model/fp8.py; GPUs of compute capability >= 8.9, or the CPU for "
+                                     "tests; the embedding, attention and the LM head stay bf16)",
+                             choices=PRECISIONS)
     activation_checkpointing: bool = setting(False, "recompute activations in backward")
     compile: bool = setting(False, "torch.compile each block's forward and the loss chunk (every stage; "
                                    "~10-30 s on the first step)")

@@ -30,8 +30,12 @@ def load_stage_template(zero: int) -> dict[str, Any]:
     return yaml.safe_load(path.read_text()) or {}
 
 
+BF16_ENGINE = ("bf16", "fp8")   # run precisions DeepSpeed trains with its bf16 engine (fp8: FP8 GEMMs on top)
+
+
 def resolve_precision(precision: str, accelerator: str) -> str:
-    """'auto' -> bf16 on a GPU, fp32 on CPU; explicit choices are kept."""
+    """'auto' -> bf16 on a GPU, fp32 on CPU; explicit choices are kept (fp8 too: the engine runs it as bf16,
+    `BF16_ENGINE`, and the trainer converts the blocks' linears, `pretrain.model.fp8`)."""
     if precision == "auto":
         return "fp32" if accelerator == "cpu" else "bf16"
     return precision
@@ -67,7 +71,7 @@ def build_ds_config(config: TrainConfig, *, world_size: int, grad_accum: int, ac
             ds["zero_force_ds_cpu_optimizer"] = False
     ds["optimizer"] = {"type": "AdamW", "params": adam}
     precision = resolve_precision(config.precision, accelerator)
-    ds["bf16"] = {"enabled": precision == "bf16"}
+    ds["bf16"] = {"enabled": precision in BF16_ENGINE}
     ds["fp16"] = {"enabled": False}
     if config.offload != "none":
         target = {"device": config.offload, "pin_memory": accelerator != "cpu"}

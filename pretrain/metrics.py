@@ -13,7 +13,8 @@ step_time_s = data_wait_s + compute_s. forward_s, backward_s and optimizer_s (PH
 device stream's time from the start of each forward to its end, to the end of its backward, and over the
 optimizer step (CUDA events, no extra synchronisation; the host clock on CPU); what compute_s holds beyond them is
 communication outside those calls and host gaps. MFU divides tflops_per_gpu by the device's datasheet dense peak
-(PEAK_TFLOPS, the field's convention: H100/H200 SXM bf16 989.4 TFLOP/s, fp32 67; A100 bf16 312, fp32 19.5);
+(PEAK_TFLOPS, the field's convention: H100/H200 SXM bf16 989.4 TFLOP/s, fp32 67; A100 bf16 312, fp32 19.5;
+--precision fp8 against the bf16 peak);
 on CPU there is no meaningful peak, so mfu is null unless --peak-tflops names one.
 """
 
@@ -75,12 +76,13 @@ class PhaseClock:
 
 
 def peak_tflops_for(device_name: str, precision: str, override: float | None) -> float | None:
-    """Per-device peak TFLOP/s for MFU: the flag, else the table by device name, else None (CPU)."""
+    """Per-device peak TFLOP/s for MFU: the flag, else the table by device name, else None (CPU). fp8 runs are
+    measured against the bf16 peak (issue 19), so that their MFU compares directly with a bf16 run's."""
     if override:
         return float(override)
     for key, peaks in PEAK_TFLOPS.items():
         if key in device_name:
-            return peaks.get(precision)
+            return peaks.get("bf16" if precision == "fp8" else precision)
     return None
 
 

@@ -197,6 +197,9 @@ class Trainer:
                                                     workers=config.loader_workers)
         set_omp_threads(config.omp_num_threads, torch.set_num_threads)
         self.resume_tag = self._prepare_resume() if config.resume else None
+        if self.precision == "fp8":   # refused in one line before the model is built on a device without FP8
+            from pretrain.model.fp8 import require_fp8
+            require_fp8(self.device)
         if config.zero == 3:     # the partitioned build already puts weights on the devices
             self._wait_for_start_gate()
         with startup_threads(env.local_world_size, torch.get_num_threads, torch.set_num_threads) as threads:
@@ -206,6 +209,9 @@ class Trainer:
         self.timeline.mark("model_built")
         if config.zero < 3:      # built on the host: wait for the devices only now
             self._wait_for_start_gate()
+        if self.precision == "fp8":   # the blocks' linears as FP8 GEMMs, before compiling and the engine
+            from pretrain.model.fp8 import convert_to_fp8
+            self.model_init["fp8_linears"] = len(convert_to_fp8(model, self.device))
         if config.compile:
             model.compile_regions()
         schedule = LRSchedule(config.schedule, config.warmup_steps, config.steps, config.min_lr_ratio)

@@ -207,14 +207,18 @@ def fp8_supported(device: torch.device | str) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
 
 
+def require_fp8(device: torch.device | str) -> None:
+    """A UserError (one line) unless `device` runs FP8 GEMMs."""
+    if not fp8_supported(device):
+        raise UserError(f"--precision fp8 needs a GPU of compute capability >= 8.9 (L4/L40, H100/H200, B200); "
+                        f"{device} has none: use --precision bf16")
+
+
 def convert_to_fp8(model: nn.Module, device: torch.device | str | None = None) -> list[str]:
     """Make every bias-free `nn.Linear` in the encoder and decoder blocks an `Fp8Linear` in place (the LM head, the
     embedding and attention's own products stay in bf16); returns their names. Call before `compile_regions()`.
     A UserError if `device` (default: where the model's parameters are) has no FP8 tensor cores."""
-    device = device if device is not None else next(model.parameters()).device
-    if not fp8_supported(device):
-        raise UserError(f"--precision fp8 needs a GPU of compute capability >= 8.9 (L4/L40, H100/H200, B200); "
-                        f"{device} has none: use --precision bf16")
+    require_fp8(device if device is not None else next(model.parameters()).device)
     names = []
     for name, module in model.named_modules():
         if type(module) is nn.Linear and module.bias is None and name.startswith(CONVERTED_STACKS):

@@ -11,8 +11,9 @@ out below. Activations: a rough count of what the eager model keeps for backward
 Memory formula (bytes per parameter P, N data-parallel ranks, mixed precision bf16 as DeepSpeed assumes):
 stage 0: 2 (bf16 params) + 2 (bf16 grads) + 4 (fp32 grads) + 4 (fp32 master) + 8 (Adam m, v) = 20 P per GPU;
 stage 1: 4 P + 16 P / N (the fp32 part partitioned); stages 2 and 3: DeepSpeed's estimators (which assume
-16-bit weights, also for fp32 runs). fp32 runs at stages 0-1 (CPU) count 4 (params) + 4 (grads) + 8 (Adam)
-= 16 P, of which stage 1 partitions the 8. Host memory includes the fp32 model each rank builds.
+16-bit weights, also for fp32 runs). fp8 counts as bf16 (its weights and gradients are bf16; the FP8 copies of
+a block's activations it keeps for the weight gradients are smaller than the bf16 ones). fp32 runs at stages 0-1
+(CPU) count 4 (params) + 4 (grads) + 8 (Adam) = 16 P, of which stage 1 partitions the 8. Host memory includes the fp32 model each rank builds.
 Activations per micro-batch (elements, summed over layers): encoder layer L_in*(10 d + 4 inner + 3 d_ff),
 decoder layer L_t*(14 d + 6 inner + 3 d_ff) + 2 inner*L_in, plus the chunked loss's logits; with activation
 checkpointing, one d-vector per token per layer plus one layer. Attention probabilities are counted only where
@@ -71,7 +72,7 @@ def estimate_memory(model_config, *, zero: int, offload: str, precision: str, wo
             cpu_bytes = 4 * params * per_node * 1.5      # each rank builds the fp32 model on the host first
         method = f"byte count of pretrain/model/memory.py (stage {zero}, bf16)"
     act_bytes = activation_bytes(model_config, micro_batch, input_length, target_length,
-                                 2 if precision == "bf16" else 4, activation_checkpointing, fused_attention)
+                                 2 if precision in ("bf16", "fp8") else 4, activation_checkpointing, fused_attention)
     per_gpu = (gpu_bytes + act_bytes) / GIB
     return {"per_gpu_gib": round(per_gpu, 3), "per_cpu_gib": round(cpu_bytes / GIB, 3),
             "model_states_gib": round(gpu_bytes / GIB, 3), "activations_gib": round(act_bytes / GIB, 3),

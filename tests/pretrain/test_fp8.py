@@ -8,6 +8,12 @@ exists, the compiled kernels, whose own rounding must then equal torch's.
     pytest tests/pretrain/test_fp8.py
 """
 
+import json
+import math
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,7 +23,7 @@ from tests.pretrain.triton_kernels import DEVICE, relative_error, require_kernel
 
 require_kernels()
 
-from pipeline.common import UserError  # noqa: E402
+from pipeline.common import REPO_ROOT, UserError  # noqa: E402
 from pretrain.model import fp8  # noqa: E402
 from pretrain.model.t5 import build, load_config  # noqa: E402
 
@@ -159,3 +165,49 @@ def test_under_autocast_the_output_is_autocasts_dtype_and_the_gradients_the_para
     y.float().sum().backward()
     assert x.grad.dtype == weight.grad.dtype == torch.float32
     assert relative_error(y, want) < 0.05
+
+
+def test_settings_treat_fp8_as_bf16_for_the_engine_mfu_and_memory():
+    from pretrain.cli import build_parser, resolve_config
+    from pretrain.ds_config import build_ds_config
+    from pretrain.metrics import peak_tflops_for
+    from pretrain.model.memory import estimate_memory
+
+    assert "fp8" in build_parser().format_help()
+    config = resolve_config(["--data", "shards/x", "--out", "runs/x", "--precision", "fp8"])
+    for accelerator in ("cpu", "gpu"):
+        assert build_ds_config(config, world_size=1, grad_accum=1, accelerator=accelerator)["bf16"] == {"enabled": True}
+    assert peak_tflops_for("NVIDIA H200", "fp8", None) == peak_tflops_for("NVIDIA H200", "bf16", None) == 989.4
+    settings = dict(zero=2, offload="none", world_size=1, local_world_size=1, micro_batch=8, input_length=512,
+                    target_length=114, activation_checkpointing=False)
+    model_config = load_config("mt5-base")
+    assert (estimate_memory(model_config, precision="fp8", **settings)
+            == estimate_memory(model_config, precision="bf16", **settings))
+
+
+def pretrain(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "pretrain.cli", *args], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=REPO_ROOT)
+
+
+TINY_BLOCK_LINEARS = 2 * 4 + 2 * 7     # t5-tiny: per encoder block qkv, o, wi, wo; per decoder block 7
+
+
+def test_pretrain_fp8_end_to_end_on_cpu(tiny_shards, tmp_path):
+    """DeepSpeed's bf16 engine (it runs bf16 on the CPU too) with t5-tiny's 22 block linears as FP8 GEMMs, one gloo
+    rank, ZeRO 2: the loss falls, the run records fp8 and how many linears it converted."""
+    out = tmp_path / "fp8"
+    result = pretrain("--model", "t5-tiny", "--steps", "4", "--micro-batch", "4", "--global-batch", "8", "--lr", "3e-3",
+                      "--warmup-steps", "1", "--zero", "2", "--nproc", "1", "--precision", "fp8", "--no-save-final",
+                      "--steady-skip", "1", "--data", str(tiny_shards), "--out", str(out))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "ZeRO 2, offload none, fp8" in result.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records]
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and all(map(math.isfinite, losses))
+    assert losses[-1] < losses[0] - 0.3, losses
+    config = json.loads((out / "config.json").read_text())
+    assert config["precision"] == "fp8" and config["train"]["precision"] == "fp8"
+    assert config["deepspeed"]["bf16"] == {"enabled": True}
+    assert config["model_init"]["fp8_linears"] == TINY_BLOCK_LINEARS
