@@ -101,7 +101,8 @@ def _cast(x: torch.Tensor, dtype: torch.dtype, transpose: bool):
     inverse = torch.empty((), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(rows, CAST_ROWS), triton.cdiv(columns, CAST_COLUMNS))
     _launch(_cast_kernel)[grid](x, partial, out, out_t, inverse, rows, columns, x.stride(0),
-                                FP8_MAX_VALUE=FP8_MAX[dtype], PROGRAMS=programs, BLOCK_R=CAST_ROWS, BLOCK_C=CAST_COLUMNS, TRANSPOSE=transpose)
+                                FP8_MAX_VALUE=FP8_MAX[dtype], PROGRAMS=programs, BLOCK_R=CAST_ROWS,
+                                BLOCK_C=CAST_COLUMNS, TRANSPOSE=transpose)
     if stored != dtype:
         out, out_t = out.to(dtype), out_t.to(dtype)
     return out, (out_t if transpose else None), inverse

@@ -13,7 +13,8 @@ stage 0: 2 (bf16 params) + 2 (bf16 grads) + 4 (fp32 grads) + 4 (fp32 master) + 8
 stage 1: 4 P + 16 P / N (the fp32 part partitioned); stages 2 and 3: DeepSpeed's estimators (which assume
 16-bit weights, also for fp32 runs). fp8 counts as bf16 (its weights and gradients are bf16; the FP8 copies of
 a block's activations it keeps for the weight gradients are smaller than the bf16 ones). fp32 runs at stages 0-1
-(CPU) count 4 (params) + 4 (grads) + 8 (Adam) = 16 P, of which stage 1 partitions the 8. Host memory includes the fp32 model each rank builds.
+(CPU) count 4 (params) + 4 (grads) + 8 (Adam) = 16 P, of which stage 1 partitions the 8. Host memory includes
+the fp32 model each rank builds.
 Activations per micro-batch (elements, summed over layers): encoder layer L_in*(10 d + 4 inner + 3 d_ff),
 decoder layer L_t*(14 d + 6 inner + 3 d_ff) + 2 inner*L_in, plus the chunked loss's logits; with activation
 checkpointing, one d-vector per token per layer plus one layer. Attention probabilities are counted only where
