@@ -39,10 +39,11 @@ def torch_cast(x, dtype):
 
 
 @pytest.mark.parametrize("dtype", [fp8.FORWARD_DTYPE, fp8.GRAD_DTYPE])
-@pytest.mark.parametrize("shape", [(96, 80), (37, 144), (5000, 16)])   # ragged tiles, more blocks than programs
-def test_the_cast_is_torchs_conversion_both_ways_round(dtype, shape):
+@pytest.mark.parametrize("shape", [(96, 80), (37, 144), (5000, 16), (48, 64)])   # ragged tiles, many blocks
+@pytest.mark.parametrize("source", [torch.bfloat16, torch.float32])   # fp32: weights under autocast
+def test_the_cast_is_torchs_conversion_both_ways_round(dtype, shape, source):
     generator = torch.Generator().manual_seed(0)
-    x = (torch.randn(shape, generator=generator) * 3).to(torch.bfloat16).to(DEVICE)
+    x = (torch.randn(shape, generator=generator) * 3).to(source).to(DEVICE)
     x[1, 2] = -50.0                                                   # the amax, negative
     x[0, :4] = torch.tensor([1e-3, -5e-4, 3e-8, -1e-8])              # subnormal once scaled (e4m3, e5m2)
     x8, x8_t, inverse = fp8._cast(x, dtype, transpose=True)
