@@ -8,8 +8,8 @@ need), both gradient GEMMs in FP8 too (e5m2 x e4m3). Each tensor's scale is FP8_
 ("dynamic" scaling, torchao's `tensorwise` recipe): the largest |value| is a torch reduction (`amax`), which
 Inductor folds into the kernel that makes the tensor where it can; our kernel then scales, saturates and casts, and
 writes the FP8 copy both as it is and transposed, since `_scaled_mm` takes its first operand row-major and its
-second column-major, and the weight gradient needs the activations and the output gradient the other way round. The forward keeps x's transposed FP8
-copy (1 byte an element) for the weight gradient instead of x itself.
+second column-major, and the weight gradient needs the activations and the output gradient the other way round.
+The forward keeps x's transposed FP8 copy (1 byte an element) for the weight gradient instead of x itself.
 
 torchao's float8 training did the same casts through Inductor and was slower than bf16 here (0.94x at mt5-large,
 docs/model.md "FP8 GEMMs"); the GEMMs alone are 1.6-1.9x faster in FP8 on an H200 (same page). The weights stay
