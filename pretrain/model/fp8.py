@@ -1,4 +1,4 @@
-"""FP8 GEMMs for the blocks' linear layers, opt-in: one scale per tensor, found and applied by our own two kernels.
+"""FP8 GEMMs for the blocks' linear layers, opt-in: one scale per tensor, applied by our own cast kernel.
 
     convert_to_fp8(model)                  # before compile_regions() and before the optimizer is made
     y = fp8_linear(x, weight)              # = x @ weight.T, through torch._scaled_mm
