@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,10 +108,26 @@ def device_memory(world_size_local: int) -> dict[str, Any]:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         return {"kind": "cuda", "name": props.name, "count": torch.cuda.device_count(),
-                "per_device_gib": round(props.total_memory / GIB, 2), "host_total_gib": round(host_total, 2),
+                "capability": [props.major, props.minor], "per_device_gib": round(props.total_memory / GIB, 2), "host_total_gib": round(host_total, 2),
                 "host_available_gib": round(host_available, 2)}
     return {"kind": "cpu", "name": "cpu", "count": world_size_local, "per_device_gib": None,
             "host_total_gib": round(host_total, 2), "host_available_gib": round(host_available, 2)}
+
+
+FP8_MIN_CAPABILITY = (8, 9)   # FP8 tensor cores (Ada, Hopper, Blackwell): pretrain.model.fp8 checks the same per rank
+
+
+def check_fp8(precision: str, device: dict[str, Any]) -> None:
+    """--precision fp8 needs FP8 tensor cores, or on the CPU Triton's interpreter (TRITON_INTERPRET=1: the tests)."""
+    if precision != "fp8":
+        return
+    if device["kind"] == "cuda" and tuple(device.get("capability", (0, 0))) >= FP8_MIN_CAPABILITY:
+        return
+    if device["kind"] == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    has = device["name"] if device["kind"] == "cuda" else "no GPU"
+    raise UserError(f"--precision fp8 needs a GPU of compute capability >= 8.9 (L4/L40, H100/H200, B200); this node "
+                    f"has {has}: use --precision bf16")
 
 
 def check_fit(estimate: dict[str, Any], device: dict[str, Any], local_world_size: int, force: bool,
@@ -202,6 +219,7 @@ def run_preflight(config, *, world_size: int, local_world_size: int, announce: b
                         f"use a smaller --global-batch or a larger shard set")
     device = device_memory(local_world_size)
     precision = config.precision if config.precision != "auto" else ("bf16" if device["kind"] == "cuda" else "fp32")
+    check_fp8(precision, device)
     estimate = estimate_memory(model_config, zero=config.zero, offload=config.offload, precision=precision,
                                world_size=world_size, local_world_size=local_world_size,
                                micro_batch=config.micro_batch, input_length=data["input_length"],

@@ -213,3 +213,17 @@ def test_pretrain_fp8_end_to_end_on_cpu(tiny_shards, tmp_path):
     assert config["precision"] == "fp8" and config["train"]["precision"] == "fp8"
     assert config["deepspeed"]["bf16"] == {"enabled": True}
     assert config["model_init"]["fp8_linears"] == TINY_BLOCK_LINEARS
+
+
+def test_pretrain_fp8_on_a_node_without_fp8_is_one_line_before_anything_starts(tiny_shards, tmp_path):
+    """Without a GPU (and outside Triton's interpreter, which only the tests switch on) preflight refuses."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), CUDA_VISIBLE_DEVICES="")
+    env.pop("TRITON_INTERPRET", None)
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "pretrain.cli", "--model", "t5-tiny", "--steps", "2",
+                             "--precision", "fp8", "--data", str(tiny_shards), "--out", str(out)],
+                            capture_output=True, text=True, timeout=120, env=env, cwd=REPO_ROOT)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "--precision fp8 needs a GPU" in errors[0] and "--precision bf16" in errors[0], errors
+    assert "Traceback" not in result.stderr and not (out / "metrics.jsonl").exists()
