@@ -108,7 +108,8 @@ def device_memory(world_size_local: int) -> dict[str, Any]:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         return {"kind": "cuda", "name": props.name, "count": torch.cuda.device_count(),
-                "capability": [props.major, props.minor], "per_device_gib": round(props.total_memory / GIB, 2), "host_total_gib": round(host_total, 2),
+                "capability": [props.major, props.minor], "per_device_gib": round(props.total_memory / GIB, 2),
+                "host_total_gib": round(host_total, 2),
                 "host_available_gib": round(host_available, 2)}
     return {"kind": "cpu", "name": "cpu", "count": world_size_local, "per_device_gib": None,
             "host_total_gib": round(host_total, 2), "host_available_gib": round(host_available, 2)}
