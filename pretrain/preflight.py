@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,22 +114,6 @@ def device_memory(world_size_local: int) -> dict[str, Any]:
             "host_total_gib": round(host_total, 2), "host_available_gib": round(host_available, 2)}
 
 
-FP8_MIN_CAPABILITY = (8, 9)   # FP8 tensor cores (Ada, Hopper, Blackwell): pretrain.model.fp8 checks the same per rank
-
-
-def check_fp8(precision: str, device: dict[str, Any]) -> None:
-    """--precision fp8 needs FP8 tensor cores, or on the CPU Triton's interpreter (TRITON_INTERPRET=1: the tests)."""
-    if precision != "fp8":
-        return
-    if device["kind"] == "cuda" and tuple(device.get("capability", (0, 0))) >= FP8_MIN_CAPABILITY:
-        return
-    if device["kind"] == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-        return
-    has = device["name"] if device["kind"] == "cuda" else "no GPU"
-    raise UserError(f"--precision fp8 needs a GPU of compute capability >= 8.9 (L4/L40, H100/H200, B200); this node "
-                    f"has {has}: use --precision bf16")
-
-
 def check_fit(estimate: dict[str, Any], device: dict[str, Any], local_world_size: int, force: bool,
               what: str) -> list[str]:
     """Refuse (UserError) when the estimate does not fit; with --force return the reason as a warning."""
@@ -203,7 +186,7 @@ def check_resume_settings(config, plan: Plan, *, announce: bool = True) -> None:
 def run_preflight(config, *, world_size: int, local_world_size: int, announce: bool) -> Plan:
     """All checks in order; prints the plan and the memory table when `announce`."""
     from pretrain.data.modes import describe_data
-    from pretrain.model.t5 import load_config
+    from pretrain.model.t5 import load_config, require_fp8
 
     data = describe_data(config)    # per --loader: the shard set's manifest, or (online) what the source derives
     manifest, where = data["manifest"], data["where"]
@@ -220,7 +203,9 @@ def run_preflight(config, *, world_size: int, local_world_size: int, announce: b
                         f"use a smaller --global-batch or a larger shard set")
     device = device_memory(local_world_size)
     precision = config.precision if config.precision != "auto" else ("bf16" if device["kind"] == "cuda" else "fp32")
-    check_fp8(precision, device)
+    if precision == "fp8":
+        on_cuda = device["kind"] == "cuda"
+        require_fp8(device["kind"], device.get("capability"), device["name"] if on_cuda else "this node")
     estimate = estimate_memory(model_config, zero=config.zero, offload=config.offload, precision=precision,
                                world_size=world_size, local_world_size=local_world_size,
                                micro_batch=config.micro_batch, input_length=data["input_length"],

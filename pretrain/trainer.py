@@ -197,9 +197,6 @@ class Trainer:
                                                     workers=config.loader_workers)
         set_omp_threads(config.omp_num_threads, torch.set_num_threads)
         self.resume_tag = self._prepare_resume() if config.resume else None
-        if self.precision == "fp8":   # refused in one line before the model is built on a device without FP8
-            from pretrain.model.fp8 import require_fp8
-            require_fp8(self.device)
         if config.zero == 3:     # the partitioned build already puts weights on the devices
             self._wait_for_start_gate()
         with startup_threads(env.local_world_size, torch.get_num_threads, torch.set_num_threads) as threads:

@@ -29,24 +29,23 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from pipeline.common import UserError
+from pretrain.model.t5 import require_fp8
 
 FORWARD_DTYPE, GRAD_DTYPE = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {FORWARD_DTYPE: 448.0, GRAD_DTYPE: 57344.0}
 ALIGNMENT = 16           # _scaled_mm: every dimension of both operands (the token count is the weight gradient's inner)
 CONVERTED_STACKS = ("encoder.blocks.", "decoder.blocks.")
-FP8_MIN_CAPABILITY = (8, 9)          # CUDA compute capability with FP8 tensor cores (Ada, Hopper, Blackwell)
 CAST_ROWS, CAST_COLUMNS = 64, 64
 
 
 @triton.jit
 def _cast_kernel(X, AMAX, OUT, OUT_T, INVERSE, rows, columns, stride_x,
-                 FP8_MAX_VALUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TRANSPOSE: tl.constexpr):
-    """OUT [rows, columns] = saturate(X * FP8_MAX_VALUE / amax) in OUT's FP8 type (and OUT_T, its transpose, with
-    TRANSPOSE); amax = AMAX[0], max |X|; INVERSE[0] = amax / FP8_MAX_VALUE, the dequantising scale. The transpose
-    is taken in fp32 and rounded on its own (the same values). Stored straight from the FP8 tile through a
-    transposed pointer tile, an fp32 test on the H200 got wrong input gradients, which read the weight's transposed
-    copy (whether that store was the cause is to be confirmed: test_fp8's cast test from fp32)."""
+                 FP8_MAX_VALUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """OUT [rows, columns] = saturate(X * FP8_MAX_VALUE / amax) in OUT's FP8 type, and OUT_T its transpose; amax =
+    AMAX[0], max |X|; INVERSE[0] = amax / FP8_MAX_VALUE, the dequantising scale. The transpose is taken in fp32 and
+    rounded on its own (the same values). Stored straight from the FP8 tile through a transposed pointer tile, an
+    fp32 test on the H200 got wrong input gradients, which read the weight's transposed copy (whether that store was
+    the cause is to be confirmed: test_fp8's cast test from fp32)."""
     amax = tl.load(AMAX)
     scale = FP8_MAX_VALUE / tl.maximum(amax, 1e-12)
     r0 = tl.program_id(0) * BLOCK_R
@@ -56,10 +55,9 @@ def _cast_kernel(X, AMAX, OUT, OUT_T, INVERSE, rows, columns, stride_x,
     x = tl.load(X + r * stride_x + c, mask=(r < rows) & (c < columns), other=0.0).to(tl.float32)
     v = tl.minimum(tl.maximum(x * scale, -FP8_MAX_VALUE), FP8_MAX_VALUE)
     tl.store(OUT + r * columns + c, v.to(OUT.dtype.element_ty), mask=(r < rows) & (c < columns))   # OUT fp32: as is
-    if TRANSPOSE:
-        rt = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)[None, :]
-        ct = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)[:, None]
-        tl.store(OUT_T + ct * rows + rt, tl.trans(v).to(OUT_T.dtype.element_ty), mask=(ct < columns) & (rt < rows))
+    rt = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)[None, :]
+    ct = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)[:, None]
+    tl.store(OUT_T + ct * rows + rt, tl.trans(v).to(OUT_T.dtype.element_ty), mask=(ct < columns) & (rt < rows))
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(INVERSE, 1.0 / scale)
 
@@ -79,8 +77,8 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
 
 
-def _cast(x: torch.Tensor, x_amax: torch.Tensor, dtype: torch.dtype, transpose: bool):
-    """(x8, x8 transposed or None, the fp32 scalar that dequantises them) of a contiguous 2-d x whose max |x| is
+def _cast(x: torch.Tensor, x_amax: torch.Tensor, dtype: torch.dtype):
+    """(x8, x8 transposed, the fp32 scalar that dequantises them) of a contiguous 2-d x whose max |x| is
     x_amax (0-d fp32).
 
     On the CPU (Triton's interpreter, whose FP8 conversion rounds wrongly: 7.77 to 4 in e4m3) the cast kernel writes
@@ -89,15 +87,14 @@ def _cast(x: torch.Tensor, x_amax: torch.Tensor, dtype: torch.dtype, transpose: 
     rows, columns = x.shape
     stored = torch.float32 if x.device.type == "cpu" else dtype
     out = torch.empty(rows, columns, dtype=stored, device=x.device)
-    out_t = torch.empty((columns, rows) if transpose else (1,), dtype=stored, device=x.device)
+    out_t = torch.empty(columns, rows, dtype=stored, device=x.device)
     inverse = torch.empty((), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(rows, CAST_ROWS), triton.cdiv(columns, CAST_COLUMNS))
     _launch(_cast_kernel)[grid](x, x_amax, out, out_t, inverse, rows, columns, x.stride(0),
-                                FP8_MAX_VALUE=FP8_MAX[dtype], BLOCK_R=CAST_ROWS, BLOCK_C=CAST_COLUMNS,
-                                TRANSPOSE=transpose)
+                                FP8_MAX_VALUE=FP8_MAX[dtype], BLOCK_R=CAST_ROWS, BLOCK_C=CAST_COLUMNS)
     if stored != dtype:
         out, out_t = out.to(dtype), out_t.to(dtype)
-    return out, (out_t if transpose else None), inverse
+    return out, out_t, inverse
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -132,8 +129,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, x_amax: torch.Tensor, w_amax
     """(x @ weight.T, and for the backward: x's transposed FP8 copy, its scale, the weight's transposed FP8 copy,
     its scale); x_amax and w_amax: their max |value| (`amax`)."""
     x2 = _rows(x)
-    x8, x8_t, x_scale = _cast(x2, x_amax, FORWARD_DTYPE, transpose=True)
-    w8, w8_t, w_scale = _cast(weight, w_amax, FORWARD_DTYPE, transpose=True)
+    x8, x8_t, x_scale = _cast(x2, x_amax, FORWARD_DTYPE)
+    w8, w8_t, w_scale = _cast(weight, w_amax, FORWARD_DTYPE)
     y = torch._scaled_mm(x8, w8.t(), x_scale, w_scale, out_dtype=x.dtype, use_fast_accum=True)
     return y.view(*x.shape[:-1], weight.shape[0]), x8_t, x_scale, w8_t, w_scale
 
@@ -148,7 +145,7 @@ def _backward(dy: torch.Tensor, dy_amax: torch.Tensor, x8_t: torch.Tensor, x_sca
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dweight) in FP8 GEMMs: dx = dy @ W (dy e5m2 row-major, W column-major), dW = dy.T @ x."""
     dy2 = _rows(dy)
-    dy8, dy8_t, dy_scale = _cast(dy2, dy_amax, GRAD_DTYPE, transpose=True)
+    dy8, dy8_t, dy_scale = _cast(dy2, dy_amax, GRAD_DTYPE)
     dx = torch._scaled_mm(dy8, w8_t.t(), dy_scale, w_scale, out_dtype=dy.dtype)
     dw = torch._scaled_mm(dy8_t, x8_t.t(), dy_scale, x_scale, out_dtype=weight_dtype)
     return dx.view(*dy.shape[:-1], w8_t.shape[0]), dw
@@ -193,27 +190,13 @@ class Fp8Linear(nn.Linear):
         return fp8_linear(x, self.weight)
 
 
-def fp8_supported(device: torch.device | str) -> bool:
-    """Whether `device` runs FP8 GEMMs: a CUDA device of compute capability >= 8.9, or the CPU under Triton's
-    interpreter (the tests; slow)."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return INTERPRETED
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
-
-
-def require_fp8(device: torch.device | str) -> None:
-    """A UserError (one line) unless `device` runs FP8 GEMMs."""
-    if not fp8_supported(device):
-        raise UserError(f"--precision fp8 needs a GPU of compute capability >= 8.9 (L4/L40, H100/H200, B200); "
-                        f"{device} has none: use --precision bf16")
-
-
 def convert_to_fp8(model: nn.Module, device: torch.device | str | None = None) -> list[str]:
     """Make every bias-free `nn.Linear` in the encoder and decoder blocks an `Fp8Linear` in place (the LM head, the
     embedding and attention's own products stay in bf16); returns their names. Call before `compile_regions()`.
     A UserError if `device` (default: where the model's parameters are) has no FP8 tensor cores."""
-    require_fp8(device if device is not None else next(model.parameters()).device)
+    device = torch.device(device if device is not None else next(model.parameters()).device)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    require_fp8(device.type, capability, str(device))
     names = []
     for name, module in model.named_modules():
         if type(module) is nn.Linear and module.bias is None and name.startswith(CONVERTED_STACKS):

@@ -156,6 +156,21 @@ def require_kernel_device(setting: str, device_type: str, instead: str) -> None:
                         f"of torch bring it: pip install triton); use {setting}='auto' or {instead!r} here")
 
 
+FP8_MIN_CAPABILITY = (8, 9)          # CUDA compute capability with FP8 tensor cores (Ada, Hopper, Blackwell)
+
+
+def require_fp8(device_type: str, capability, where: str) -> None:
+    """--precision fp8 (pretrain/model/fp8.py) on `where`, a device of `device_type` with CUDA compute `capability`
+    (None off CUDA): one clear line unless it has FP8 tensor cores, or is the CPU under Triton's interpreter
+    (TRITON_INTERPRET=1, the tests). Preflight asks before any rank starts, `convert_to_fp8` on each rank."""
+    if device_type == "cuda" and tuple(capability) >= FP8_MIN_CAPABILITY:
+        return
+    if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    raise UserError(f"--precision fp8 needs a GPU of compute capability >= 8.9 (L4/L40, H100/H200, B200); {where} "
+                    f"has none: use --precision bf16")
+
+
 def list_presets() -> list[str]:
     """Names of the presets in configs/models/ (e.g. 't5-tiny', 'mt5-base')."""
     return sorted(path.stem for path in MODELS_DIR.glob("*.yaml"))

@@ -46,7 +46,7 @@ def test_the_cast_is_torchs_conversion_both_ways_round(dtype, shape, source):
     x = (torch.randn(shape, generator=generator) * 3).to(source).to(DEVICE)
     x[1, 2] = -50.0                                                   # the amax, negative
     x[0, :4] = torch.tensor([1e-3, -5e-4, 3e-8, -1e-8])              # subnormal once scaled (e4m3, e5m2)
-    x8, x8_t, inverse = fp8._cast(x, fp8.amax(x), dtype, transpose=True)
+    x8, x8_t, inverse = fp8._cast(x, fp8.amax(x), dtype)
     want, want_inverse = torch_cast(x, dtype)
     assert x8.dtype == x8_t.dtype == dtype and x8.shape == shape and x8_t.shape == shape[::-1]
     assert torch.equal(x8_t.t().float(), x8.float())
@@ -59,7 +59,7 @@ def test_the_cast_is_torchs_conversion_both_ways_round(dtype, shape, source):
 
 def test_an_all_zero_tensor_casts_to_zeros():
     zeros = torch.zeros(32, 32, device=DEVICE)
-    x8, _, inverse = fp8._cast(zeros, fp8.amax(zeros), fp8.FORWARD_DTYPE, transpose=False)
+    x8, _, inverse = fp8._cast(zeros, fp8.amax(zeros), fp8.FORWARD_DTYPE)
     assert not x8.float().any() and torch.isfinite(inverse).all()
 
 
