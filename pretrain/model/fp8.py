@@ -42,22 +42,21 @@ CAST_ROWS, CAST_COLUMNS = 64, 64
 def _cast_kernel(X, AMAX, OUT, OUT_T, INVERSE, rows, columns, stride_x,
                  FP8_MAX_VALUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """OUT [rows, columns] = saturate(X * FP8_MAX_VALUE / amax) in OUT's FP8 type, and OUT_T its transpose; amax =
-    AMAX[0], max |X|; INVERSE[0] = amax / FP8_MAX_VALUE, the dequantising scale. The transpose is taken in fp32 and
-    rounded on its own (the same values). Stored straight from the FP8 tile through a transposed pointer tile, an
-    fp32 test on the H200 got wrong input gradients, which read the weight's transposed copy (whether that store was
-    the cause is to be confirmed: test_fp8's cast test from fp32)."""
+    AMAX[0], max |X|; INVERSE[0] = amax / FP8_MAX_VALUE, the dequantising scale. The transposed tile is loaded
+    transposed (a second read of the same tile, from cache) and rounded on its own: from fp32 tiles on an H200,
+    transposing in registers (tl.trans, before or after the FP8 conversion) gave wrong values in the copy."""
     amax = tl.load(AMAX)
     scale = FP8_MAX_VALUE / tl.maximum(amax, 1e-12)
-    r0 = tl.program_id(0) * BLOCK_R
-    c0 = tl.program_id(1) * BLOCK_C
-    r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
-    c = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)[None, :]
-    x = tl.load(X + r * stride_x + c, mask=(r < rows) & (c < columns), other=0.0).to(tl.float32)
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    c = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    inside = (r[:, None] < rows) & (c[None, :] < columns)
+    x = tl.load(X + r[:, None] * stride_x + c[None, :], mask=inside, other=0.0).to(tl.float32)
     v = tl.minimum(tl.maximum(x * scale, -FP8_MAX_VALUE), FP8_MAX_VALUE)
-    tl.store(OUT + r * columns + c, v.to(OUT.dtype.element_ty), mask=(r < rows) & (c < columns))   # OUT fp32: as is
-    rt = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)[None, :]
-    ct = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)[:, None]
-    tl.store(OUT_T + ct * rows + rt, tl.trans(v).to(OUT_T.dtype.element_ty), mask=(ct < columns) & (rt < rows))
+    tl.store(OUT + r[:, None] * columns + c[None, :], v.to(OUT.dtype.element_ty), mask=inside)   # OUT fp32: as is
+    inside_t = (c[:, None] < columns) & (r[None, :] < rows)
+    xt = tl.load(X + r[None, :] * stride_x + c[:, None], mask=inside_t, other=0.0).to(tl.float32)
+    vt = tl.minimum(tl.maximum(xt * scale, -FP8_MAX_VALUE), FP8_MAX_VALUE)
+    tl.store(OUT_T + c[:, None] * rows + r[None, :], vt.to(OUT_T.dtype.element_ty), mask=inside_t)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(INVERSE, 1.0 / scale)
 
