@@ -244,5 +244,9 @@ def describe(plan: Plan, config, precision: str) -> str:
         f" + activations {est['activations_gib']:.2f}), {est['per_cpu_gib']:.2f} GiB host per node; devices: "
         f"{devices}",
     ]
+    if precision == "fp8":
+        from pretrain.model.t5 import fp8_bf16_parts
+        lines += [f"[preflight] fp8: in bf16, {part}" for part in fp8_bf16_parts(
+            plan.model_config, config.micro_batch, plan.input_length, plan.target_length)]
     lines += [f"[preflight] WARNING (--force): {warning}" for warning in plan.warnings]
     return "\n".join(lines)

@@ -29,11 +29,10 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from pretrain.model.t5 import require_fp8
+from pretrain.model.t5 import FP8_ALIGNMENT, require_fp8
 
 FORWARD_DTYPE, GRAD_DTYPE = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {FORWARD_DTYPE: 448.0, GRAD_DTYPE: 57344.0}
-ALIGNMENT = 16           # _scaled_mm: every dimension of both operands (the token count is the weight gradient's inner)
 CONVERTED_STACKS = ("encoder.blocks.", "decoder.blocks.")
 CAST_ROWS, CAST_COLUMNS = 64, 64
 
@@ -168,7 +167,7 @@ torch.library.register_autograd("t5zero::fp8_linear", _autograd_backward, setup_
 def fp8_shapes_fit(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether _scaled_mm takes this product: both weight dimensions and the token count multiples of 16."""
     rows = x.numel() // x.shape[-1]
-    return all(size % ALIGNMENT == 0 for size in (*weight.shape, rows))
+    return all(size % FP8_ALIGNMENT == 0 for size in (*weight.shape, rows))   # tokens: dW's inner
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -171,6 +171,28 @@ def require_fp8(device_type: str, capability, where: str) -> None:
                     f"has none: use --precision bf16")
 
 
+FP8_ALIGNMENT = 16                   # torch._scaled_mm: every dimension of both operands a multiple of this
+
+
+def fp8_bf16_parts(config: T5Config, micro_batch: int, input_length: int, target_length: int) -> list[str]:
+    """Which parts of `config`'s blocks --precision fp8 leaves in bf16 at this micro batch and these lengths, one
+    phrase each with the fix (empty: every block linear runs in FP8). A linear falls back to bf16 where a weight
+    dimension or its token count (micro batch x length) is not a multiple of 16 (`fp8.fp8_linear`)."""
+    def multiple(length: int) -> int:     # the smallest micro batch whose token count is a multiple of 16
+        return FP8_ALIGNMENT // math.gcd(length, FP8_ALIGNMENT)
+    widths = (config.d_model, config.d_ff, config.num_heads * config.d_kv)
+    if any(width % FP8_ALIGNMENT for width in widths):
+        return [f"every block linear: d_model / d_ff / heads x d_kv = {' / '.join(map(str, widths))} are not all "
+                f"multiples of {FP8_ALIGNMENT}"]
+    parts = []
+    for part, length in (("the encoder's linears and cross-attention's k|v", input_length),
+                         ("the decoder's other linears", target_length)):
+        if (micro_batch * length) % FP8_ALIGNMENT:
+            parts.append(f"{part}: {micro_batch} x {length} tokens a micro batch is not a multiple of "
+                         f"{FP8_ALIGNMENT}; a micro batch that is a multiple of {multiple(length)} runs them in FP8")
+    return parts
+
+
 def list_presets() -> list[str]:
     """Names of the presets in configs/models/ (e.g. 't5-tiny', 'mt5-base')."""
     return sorted(path.stem for path in MODELS_DIR.glob("*.yaml"))

@@ -8,6 +8,7 @@ exists, the compiled kernels, whose own rounding must then equal torch's.
     pytest tests/pretrain/test_fp8.py
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -25,7 +26,7 @@ require_kernels()
 
 from pipeline.common import REPO_ROOT, UserError  # noqa: E402
 from pretrain.model import fp8  # noqa: E402
-from pretrain.model.t5 import build, load_config  # noqa: E402
+from pretrain.model.t5 import build, fp8_bf16_parts, load_config  # noqa: E402
 
 SMALLEST_NORMAL = {fp8.FORWARD_DTYPE: 2.0 ** -6, fp8.GRAD_DTYPE: 2.0 ** -14}
 
@@ -191,6 +192,27 @@ def pretrain(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "pretrain.cli", *args], capture_output=True, text=True,
                           timeout=300, env=env, cwd=REPO_ROOT)
+
+
+@pytest.mark.parametrize("micro_batch", [1, 2, 4, 6, 8, 16])
+def test_preflight_names_the_parts_fp8_leaves_in_bf16_as_the_linear_does(micro_batch):
+    """mt5-large at 512/114: the encoder's token count is always a multiple of 16, the decoder's only at micro batches
+    that are multiples of 8; fp8_bf16_parts says so exactly where fp8_linear falls back to F.linear."""
+    config = load_config("mt5-large")
+    parts = fp8_bf16_parts(config, micro_batch, 512, 114)
+    weight = torch.empty(config.d_ff, config.d_model, device="meta")
+    for name, length in (("encoder", 512), ("decoder", 114)):
+        fits = fp8.fp8_shapes_fit(torch.empty(micro_batch, length, config.d_model, device="meta"), weight)
+        assert fits == (not any(part.startswith(f"the {name}'s") for part in parts)), (micro_batch, parts)
+    assert parts == ([] if micro_batch % 8 == 0 else [
+        f"the decoder's other linears: {micro_batch} x 114 tokens a micro batch is not a multiple of 16; a micro "
+        f"batch that is a multiple of 8 runs them in FP8"])
+
+
+def test_preflight_names_widths_fp8_cannot_take():
+    config = dataclasses.replace(load_config("t5-tiny"), d_ff=120)
+    assert fp8_bf16_parts(config, 8, 512, 114) == [
+        "every block linear: d_model / d_ff / heads x d_kv = 64 / 120 / 64 are not all multiples of 16"]
 
 
 TINY_BLOCK_LINEARS = 2 * 4 + 2 * 7     # t5-tiny: per encoder block qkv, o, wi, wo; per decoder block 7
