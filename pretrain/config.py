@@ -31,6 +31,12 @@ STAGE3_TUNABLES = ("stage3_prefetch_bucket_size", "stage3_param_persistence_thre
                    "stage3_max_live_parameters", "stage3_max_reuse_distance")
 
 
+def engine_precision(precision: str) -> str:
+    """The precision DeepSpeed's engine, MFU's peak and the memory estimate see for a resolved run precision: fp8
+    trains on the bf16 engine (its FP8 GEMMs are the blocks' linears, converted by the trainer) and counts as bf16."""
+    return "bf16" if precision == "fp8" else precision
+
+
 @dataclass
 class TrainConfig:
     """Everything one `pretrain` run needs; saved resolved as RUN_DIR/config.json["train"]."""

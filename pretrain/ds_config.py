@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from pipeline.common import CONFIGS_DIR, UserError
-from pretrain.config import STAGE3_TUNABLES, TrainConfig
+from pretrain.config import STAGE3_TUNABLES, TrainConfig, engine_precision
 
 DEEPSPEED_CONFIGS = CONFIGS_DIR / "deepspeed"
 
@@ -30,12 +30,9 @@ def load_stage_template(zero: int) -> dict[str, Any]:
     return yaml.safe_load(path.read_text()) or {}
 
 
-BF16_ENGINE = ("bf16", "fp8")   # run precisions DeepSpeed trains with its bf16 engine (fp8: FP8 GEMMs on top)
-
-
 def resolve_precision(precision: str, accelerator: str) -> str:
     """'auto' -> bf16 on a GPU, fp32 on CPU; explicit choices are kept (fp8 too: the engine runs it as bf16,
-    `BF16_ENGINE`, and the trainer converts the blocks' linears, `pretrain.model.fp8`)."""
+    `engine_precision`, and the trainer converts the blocks' linears, `pretrain.model.fp8`)."""
     if precision == "auto":
         return "fp32" if accelerator == "cpu" else "bf16"
     return precision
@@ -71,7 +68,7 @@ def build_ds_config(config: TrainConfig, *, world_size: int, grad_accum: int, ac
             ds["zero_force_ds_cpu_optimizer"] = False
     ds["optimizer"] = {"type": "AdamW", "params": adam}
     precision = resolve_precision(config.precision, accelerator)
-    ds["bf16"] = {"enabled": precision in BF16_ENGINE}
+    ds["bf16"] = {"enabled": engine_precision(precision) == "bf16"}
     ds["fp16"] = {"enabled": False}
     if config.offload != "none":
         target = {"device": config.offload, "pin_memory": accelerator != "cpu"}

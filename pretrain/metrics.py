@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.common import atomic_write_bytes, atomic_write_json
+from pretrain.config import engine_precision
 from pretrain.hostcpu import HOST_KEYS
 
 METRICS_NAME = "metrics.jsonl"
@@ -82,7 +83,7 @@ def peak_tflops_for(device_name: str, precision: str, override: float | None) ->
         return float(override)
     for key, peaks in PEAK_TFLOPS.items():
         if key in device_name:
-            return peaks.get("bf16" if precision == "fp8" else precision)
+            return peaks.get(engine_precision(precision))
     return None
 
 

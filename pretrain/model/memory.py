@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pretrain.config import engine_precision
 from pretrain.model.flops import count_parameters
 
 GIB = float(1 << 30)
@@ -72,8 +73,9 @@ def estimate_memory(model_config, *, zero: int, offload: str, precision: str, wo
             gpu_bytes = 4 * params + 16 * params / shards
             cpu_bytes = 4 * params * per_node * 1.5      # each rank builds the fp32 model on the host first
         method = f"byte count of pretrain/model/memory.py (stage {zero}, bf16)"
-    act_bytes = activation_bytes(model_config, micro_batch, input_length, target_length,
-                                 2 if precision in ("bf16", "fp8") else 4, activation_checkpointing, fused_attention)
+    element_bytes = 2 if engine_precision(precision) == "bf16" else 4
+    act_bytes = activation_bytes(model_config, micro_batch, input_length, target_length, element_bytes,
+                                 activation_checkpointing, fused_attention)
     per_gpu = (gpu_bytes + act_bytes) / GIB
     return {"per_gpu_gib": round(per_gpu, 3), "per_cpu_gib": round(cpu_bytes / GIB, 3),
             "model_states_gib": round(gpu_bytes / GIB, 3), "activations_gib": round(act_bytes / GIB, 3),
