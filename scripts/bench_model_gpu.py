@@ -154,7 +154,7 @@ def device_only_profile(step, steps: int) -> dict:
     return {"ms_per_step": 1e3 * window / steps, "back_to_back_ms_per_step": 1e3 * back_to_back,
             "kernel_ms_per_step": 1e3 * sum(f["seconds"] for f in summary["families"].values()) / steps,
             "device_busy_share": summary["device_busy_share"], "idle_gaps": summary["idle_gaps"],
-            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),   # each one frees and syncs
+            "alloc_retries": alloc_retries("cuda"),
             "top_kernels": summary["top_kernels"]}
 
 
@@ -279,6 +279,11 @@ def start_variant(variant, ours_cpu, batch, args) -> dict:
     return {"model": model, "step": step, "first_loss": first_loss, "first_step_s": first_step_s, "peak_mem_gib": peak}
 
 
+def alloc_retries(device: str) -> int:
+    """The caching allocator's retries so far: each one freed every cached block and synchronised (a slow step)."""
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if device == "cuda" else 0
+
+
 def time_steps(step, args) -> tuple[list[float], float]:
     """`args.steps` steps, each timed on its own (for the spread); their seconds and the last loss."""
     times = []
@@ -317,23 +322,29 @@ def measure_rounds(preset, ours_cpu, largest, args, ceiling, peak, rows: list[di
     """--rounds: every variant's model built, compiled and warmed up once, then timed `args.rounds` times in turn
     (A B C A B C ...), `args.steps` steps a round, at `args.batch`; one row per variant appended to `rows`, its
     ms/step the median of its round medians, min-max over them. What drifts between runs (clocks, the machine's
-    neighbours) then falls on every variant alike. Interrupted, the rows of the rounds finished are still appended."""
+    neighbours) then falls on every variant alike. A round line names a variant's slowest step when it is over 1.1x
+    its median, and the allocator retries of its steps (all models are held, so memory is tighter than alone): what
+    tells a slow round's cause. Interrupted, the rows of the rounds finished are still appended."""
     batch = tuple(part[:args.batch].to(args.device) for part in largest)
     flops = train_step_flops(ours_cpu.config, args.batch, args.input_length, args.target_length)
-    started, errors, medians, last = {}, {}, {}, {}
+    started, errors, medians, last, retries = {}, {}, {}, {}, {}
     try:
         for variant in args.variants:
             try:
                 started[variant] = start_variant(variant, ours_cpu, batch, args)
-                medians[variant] = []
+                medians[variant], retries[variant] = [], []
             except Exception as err:
                 errors[variant] = failure(err, "beside the other variants' models (--rounds keeps them all)")
         for round_ in range(args.rounds):
+            said = []
             for variant, held in started.items():
+                before = alloc_retries(args.device)
                 times, last[variant] = time_steps(held["step"], args)
                 medians[variant].append(statistics.median(times))
-            print(f"round {round_ + 1}/{args.rounds}: " + ", ".join(
-                f"{v} {1e3 * m[-1]:.1f} ms" for v, m in medians.items()), flush=True)
+                retries[variant].append(alloc_retries(args.device) - before)
+                said.append(f"{variant} {1e3 * medians[variant][-1]:.1f} ms"
+                            + round_detail(times, retries[variant][-1]))
+            print(f"round {round_ + 1}/{args.rounds}: " + ", ".join(said), flush=True)
         for variant, held in started.items():
             if variant == args.profile:
                 profile(held["step"], args, f"{ours_cpu.config.name}-{variant}")
@@ -345,7 +356,8 @@ def measure_rounds(preset, ours_cpu, largest, args, ceiling, peak, rows: list[di
                 ms = medians[variant]
                 row = row_of(variant, args.batch, started[variant], statistics.median(ms), min(ms), max(ms),
                              last[variant], args, flops, ceiling, peak)
-                rows.append({**row, "rounds_ms": [round(1e3 * m, 2) for m in ms]})
+                rows.append({**row, "rounds_ms": [round(1e3 * m, 2) for m in ms],
+                             "rounds_alloc_retries": retries[variant][:len(ms)]})
             else:
                 continue
             rows[-1]["model"] = preset
@@ -353,6 +365,15 @@ def measure_rounds(preset, ours_cpu, largest, args, ceiling, peak, rows: list[di
         started.clear()
         if args.device == "cuda":
             torch.cuda.empty_cache()
+
+
+def round_detail(times: list[float], retried: int) -> str:
+    """What a round line adds to a variant's median: its slowest step if over 1.1x the median, its allocator
+    retries if any; empty for a steady round."""
+    median, slowest = statistics.median(times), max(times)
+    notes = [f"slowest {1e3 * slowest:.1f}"] if slowest > 1.1 * median else []
+    notes += [f"{retried} allocator {'retry' if retried == 1 else 'retries'}"] if retried else []
+    return f" ({', '.join(notes)})" if notes else ""
 
 
 def failure(err: Exception, where: str = "") -> str:

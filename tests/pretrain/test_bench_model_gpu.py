@@ -72,6 +72,14 @@ def test_an_interrupted_run_still_writes_the_tables_of_what_it_measured(tmp_path
     assert "INTERRUPTED" in (tmp_path / "results.md").read_text()
 
 
+def test_a_round_line_names_a_slow_step_and_the_allocator_retries_only_when_there_are_some():
+    detail = load_script().round_detail
+    assert detail([0.200, 0.201, 0.202], 0) == ""
+    assert detail([0.200, 0.201, 0.260], 0) == " (slowest 260.0)"
+    assert detail([0.200, 0.201, 0.202], 3) == " (3 allocator retries)"
+    assert detail([0.200, 0.201, 0.260], 1) == " (slowest 260.0, 1 allocator retry)"
+
+
 def test_rounds_time_the_variants_in_turn_and_report_the_spread_over_rounds(tmp_path):
     """--rounds: each variant built once, timed once per round in turn; ms/step is the median of its round medians."""
     command = [sys.executable, str(SCRIPT), "--device", "cpu", "--models", "t5-tiny", "--variants", "ours", "hf",
@@ -89,5 +97,6 @@ def test_rounds_time_the_variants_in_turn_and_report_the_spread_over_rounds(tmp_
         assert row["ms_min"] == pytest.approx(min(rounds), abs=0.01)
         assert row["ms_max"] == pytest.approx(max(rounds), abs=0.01)
         assert row["ms_per_step"] == pytest.approx(sorted(rounds)[1], abs=0.01)
+        assert row["rounds_alloc_retries"] == [0, 0, 0]   # the CPU has no caching allocator
     assert rows[1]["speedup_vs_hf"] == pytest.approx(1.0)
     assert "3 rounds of 2 timed steps" in (tmp_path / "results.md").read_text()
