@@ -44,7 +44,6 @@ every step runs them).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import signal
@@ -59,8 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pretrain.metrics import peak_tflops_for  # noqa: E402
 from pretrain.model.flops import count_parameters, train_step_flops  # noqa: E402
-from pretrain.model.hf import to_hf  # noqa: E402
-from pretrain.model.t5 import T5Model, build  # noqa: E402
+from pretrain.model.t5 import build  # noqa: E402
+from pretrain.model.variants import attention_of, build_variant  # noqa: E402
 
 VARIANTS = ("hf", "hf-compile", "ours", "ours-compile", "ours-compile-flex", "ours-compile-triton",
             "ours-compile-triton-torchgate", "ours-compile-triton-graphed", "ours-compile-triton-perdiagonal",
@@ -182,11 +181,6 @@ def sdpa_backends(model, args, attention: str = "sdpa") -> dict:
             for name, (q, k, v, bias) in cases.items()}
 
 
-def attention_of(variant: str) -> str:
-    """T5Config.attention of one of our variants."""
-    return next((kind for kind in ("flex", "triton") if kind in variant.split("-")), "sdpa")
-
-
 def make_step(variant: str, model, batch):
     """A closure running one training step of `variant` on `batch`; returns the loss tensor."""
     input_ids, labels = batch
@@ -235,36 +229,12 @@ def graphed_step(step, optimizer):
     return replay
 
 
-def prepare(variant: str, ours_cpu, device: str):
-    """A bf16 copy of the model for `variant` on `device`, with ours_cpu's weights (HF variants via to_hf)."""
-    if variant.startswith("hf"):
-        model = to_hf(ours_cpu)
-    else:
-        gate = "torch" if variant.endswith("-torchgate") else ours_cpu.config.gated_gelu
-        with torch.device(device):
-            model = T5Model(dataclasses.replace(ours_cpu.config, attention=attention_of(variant), gated_gelu=gate))
-        model.load_state_dict(ours_cpu.state_dict())
-        if variant.endswith("-perdiagonal"):
-            for stack in (model.encoder, model.decoder):
-                stack.relative_attention_bias.saturate = 0
-        if variant.endswith("-fp8"):
-            from pretrain.model.fp8 import convert_to_fp8
-            convert_to_fp8(model, device)
-    model = model.to(device=device, dtype=torch.bfloat16).train()
-    if "-compile" in variant:
-        if variant.startswith("hf"):
-            model = torch.compile(model, dynamic=False)
-        else:  # regional compilation: every block shares one compiled graph per stack type, + the loss chunk
-            model.compile_regions()
-    return model
-
-
 def start_variant(variant, ours_cpu, batch, args) -> dict:
     """`variant`'s model on the device with its step, compiled by its first step and warmed up: the step closure, the
     first loss, the first step's seconds and the peak memory it added to what was allocated before it was built."""
     device = args.device
     held = torch.cuda.memory_allocated() if device == "cuda" else 0   # other variants' models (--rounds)
-    model = prepare(variant, ours_cpu, device)
+    model = build_variant(variant, ours_cpu, device, torch.bfloat16)
     step = make_step(variant, model, batch)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -36,7 +36,6 @@ the GPU idle (HF eager runs at ~15% MFU).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import os
@@ -54,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pretrain.data.dataset import ShardDataset  # noqa: E402
 from pretrain.data.sampler import GlobalOrderSampler  # noqa: E402
 from pretrain.model.t5 import T5Model, build, resolve_config  # noqa: E402
+from pretrain.model.variants import build_variant  # noqa: E402
 from pretrain.preflight import resolve_vocab_size  # noqa: E402
 from pretrain.trainer import LRSchedule  # noqa: E402
 
@@ -77,32 +77,9 @@ def batches(dataset: ShardDataset, batch: int, seed: int, steps: int, device: st
         yield torch.from_numpy(inputs).to(device), torch.from_numpy(labels).to(device)
 
 
-def prepare(variant: str, ours_cpu: T5Model, device: str) -> torch.nn.Module:
-    """An fp32 copy of `ours_cpu` for `variant` on `device` (HF's by to_hf), compiled as the variant says."""
-    if variant.startswith("hf"):
-        from pretrain.model.hf import to_hf
-        model = to_hf(ours_cpu)
-    else:
-        attention = variant.split("-")[2] if variant in OPT_IN_VARIANTS else "sdpa"   # each variant its kernel
-        model = T5Model(dataclasses.replace(ours_cpu.config, attention=attention))
-        model.load_state_dict(ours_cpu.state_dict())
-        if variant.endswith("-perdiagonal"):
-            for stack in (model.encoder, model.decoder):
-                stack.relative_attention_bias.saturate = 0
-        if variant.endswith("-fp8"):
-            from pretrain.model.fp8 import convert_to_fp8
-            convert_to_fp8(model, device)
-    model = model.to(device=device, dtype=torch.float32).train()
-    if variant == "hf-compile":
-        model = torch.compile(model, dynamic=False)
-    elif variant.startswith("ours-compile"):
-        model.compile_regions()
-    return model
-
-
 def train_variant(variant: str, ours_cpu: T5Model, data, args) -> dict:
     """Losses and grad norms of `args.steps` steps of `variant` (torch AdamW, warmup + constant lr, clip)."""
-    model = prepare(variant, ours_cpu, args.device)
+    model = build_variant(variant, ours_cpu, args.device, torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     schedule = LRSchedule("constant", args.warmup, args.steps, 1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
