@@ -218,15 +218,17 @@ def test_preflight_names_widths_fp8_cannot_take():
 TINY_BLOCK_LINEARS = 2 * 4 + 2 * 7     # t5-tiny: per encoder block qkv, o, wi, wo; per decoder block 7
 
 
-def test_pretrain_fp8_end_to_end_on_cpu(tiny_shards, tmp_path):
-    """DeepSpeed's bf16 engine (it runs bf16 on the CPU too) with t5-tiny's 22 block linears as FP8 GEMMs, one gloo
-    rank, ZeRO 2: the loss falls, the run records fp8 and how many linears it converted."""
+@pytest.mark.parametrize("zero, ranks", [(2, 1), (3, 2)])
+def test_pretrain_fp8_end_to_end_on_cpu(tiny_shards, tmp_path, zero, ranks):
+    """DeepSpeed's bf16 engine (it runs bf16 on the CPU too) with t5-tiny's 22 block linears as FP8 GEMMs: ZeRO 2 on
+    one gloo rank, and ZeRO 3 on two (the linears converted on the partitioned build, their weights gathered by the
+    block's hooks when they cast them): the loss falls, the run records fp8 and how many linears it converted."""
     out = tmp_path / "fp8"
     result = pretrain("--model", "t5-tiny", "--steps", "4", "--micro-batch", "4", "--global-batch", "8", "--lr", "3e-3",
-                      "--warmup-steps", "1", "--zero", "2", "--nproc", "1", "--precision", "fp8", "--no-save-final",
-                      "--steady-skip", "1", "--data", str(tiny_shards), "--out", str(out))
+                      "--warmup-steps", "1", "--zero", str(zero), "--nproc", str(ranks), "--precision", "fp8",
+                      "--no-save-final", "--steady-skip", "1", "--data", str(tiny_shards), "--out", str(out))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "ZeRO 2, offload none, fp8" in result.stdout
+    assert f"ZeRO {zero}, offload none, fp8" in result.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records]
     assert [r["step"] for r in records] == [1, 2, 3, 4] and all(map(math.isfinite, losses))
