@@ -251,3 +251,21 @@ def test_pretrain_fp8_on_a_node_without_fp8_is_one_line_before_anything_starts(t
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "--precision fp8 needs a GPU" in errors[0] and "--precision bf16" in errors[0], errors
     assert "Traceback" not in result.stderr and not (out / "metrics.jsonl").exists()
+
+
+def test_pretrain_fp8_resumes_exactly(tiny_shards, tmp_path):
+    """FP8 keeps no state of its own (each cast's scale is that tensor's max now): a run stopped at step 2 and resumed
+    gives the losses of the run that went through, to the bit."""
+    common = ["--model", "t5-tiny", "--steps", "4", "--micro-batch", "4", "--global-batch", "8", "--lr", "3e-3",
+              "--warmup-steps", "1", "--zero", "2", "--nproc", "1", "--precision", "fp8", "--steady-skip", "1",
+              "--data", str(tiny_shards)]
+    for args in (["--out", str(tmp_path / "through"), "--no-save-final"],
+                 ["--out", str(tmp_path / "stopped"), "--save-every", "2", "--stop-after", "2"],
+                 ["--out", str(tmp_path / "stopped"), "--resume", "--no-save-final"]):
+        result = pretrain(*common, *args)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "[resume] step-00000002" in result.stdout
+
+    def losses(run):
+        return [json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses("through")) == 4 and losses("stopped") == losses("through")
