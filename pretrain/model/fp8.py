@@ -76,8 +76,13 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def _cast(x: torch.Tensor, x_amax: torch.Tensor, dtype: torch.dtype):
-    """(x8, x8 transposed, the fp32 scalar that dequantises them) of a contiguous 2-d x whose max |x| is
+    """(x8, x8 transposed, the fp32 scale that dequantises them, one element) of a contiguous 2-d x whose max |x| is
     x_amax (0-d fp32).
+
+    The scale is shaped (1,), not 0-d: Inductor lowers an empty tensor to a bare allocation only when its size has
+    a dimension (it marks the buffer as zero ranges, which is no kernel); a 0-d empty is one element of "ranges",
+    so it became a kernel of its own, `triton_poi_fused_empty`, launched before 528 of the 792 casts in an FP8 step
+    of mt5-large (docs/model.md). `_scaled_mm` takes any one-element scale as tensorwise.
 
     On the CPU (Triton's interpreter, whose FP8 conversion rounds wrongly: 7.77 to 4 in e4m3) the cast kernel writes
     the scaled, saturated values in fp32 and torch rounds them to FP8; on a GPU the kernel rounds (to nearest even,
@@ -86,7 +91,7 @@ def _cast(x: torch.Tensor, x_amax: torch.Tensor, dtype: torch.dtype):
     stored = torch.float32 if x.device.type == "cpu" else dtype
     out = torch.empty(rows, columns, dtype=stored, device=x.device)
     out_t = torch.empty(columns, rows, dtype=stored, device=x.device)
-    inverse = torch.empty((), dtype=torch.float32, device=x.device)
+    inverse = torch.empty(1, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(rows, CAST_ROWS), triton.cdiv(columns, CAST_COLUMNS))
     _launch(_cast_kernel)[grid](x, x_amax, out, out_t, inverse, rows, columns, x.stride(0),
                                 FP8_MAX_VALUE=FP8_MAX[dtype], BLOCK_R=CAST_ROWS, BLOCK_C=CAST_COLUMNS)
@@ -116,7 +121,7 @@ def _register(name: str, fake):
 
 def _forward_fake(x, weight, x_amax, w_amax):
     rows = x.numel() // x.shape[-1]
-    scalar = x.new_empty((), dtype=torch.float32)
+    scalar = x.new_empty(1, dtype=torch.float32)     # a scale's shape (_cast)
     return (x.new_empty(*x.shape[:-1], weight.shape[0]), x.new_empty(x.shape[-1], rows, dtype=FORWARD_DTYPE), scalar,
             x.new_empty(weight.shape[1], weight.shape[0], dtype=FORWARD_DTYPE), scalar.clone())
 
