@@ -93,6 +93,36 @@ def idle_gaps(kernels: list[tuple[float, float, str]], top: int = 10) -> list[di
             for pair, (count, seconds) in sorted(gaps.items(), key=lambda kv: -kv[1][1])[:top]]
 
 
+def launchers(events: list[dict[str, Any]], top: int = 10) -> list[dict[str, Any]]:
+    """Which host op put each device memset and memcpy on the device (their names say only "Memset (Device)"): the
+    `cpu_op` of the same "External id" (how torch.profiler links a device event to its op), else the innermost
+    `cpu_op` around the runtime call of the same "correlation" on its thread; the `top` (device event, op) pairs by
+    time, "?" where the trace has no host ops (a device-only trace)."""
+    def arg(event, key):
+        return (event.get("args") or {}).get(key)
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    by_external = {arg(e, "External id"): e["name"] for e in ops if arg(e, "External id") is not None}
+    runtime = {arg(e, "correlation"): e for e in events
+               if e.get("cat") == "cuda_runtime" and arg(e, "correlation") is not None}
+
+    def enclosing_op(call):   # the latest-starting host op of the call's thread whose span holds the call
+        ts = float(call["ts"])
+        around = [op for op in ops if op.get("tid") == call.get("tid")
+                  and float(op["ts"]) <= ts <= float(op["ts"]) + float(op["dur"])]
+        return max(around, key=lambda op: float(op["ts"]))["name"] if around else None
+
+    pairs = []
+    for event in events:
+        if event.get("cat") not in ("gpu_memset", "gpu_memcpy"):
+            continue
+        op = by_external.get(arg(event, "External id"))
+        if op is None and arg(event, "correlation") in runtime:
+            op = enclosing_op(runtime[arg(event, "correlation")])
+        pairs.append((f"{event.get('name', '?')} <- {op or '?'}", event["dur"]))
+    return [{"what": what, "calls": calls, "seconds": round(seconds, 6)}
+            for what, (calls, seconds) in sorted(tally(pairs).items(), key=lambda kv: -kv[1][1])[:top]]
+
+
 def tally(items: Iterable[tuple[str, float]]) -> dict[str, list]:
     """{name: [calls, seconds]} of (name, duration in microseconds) pairs, in order of first appearance."""
     totals: dict[str, list] = {}
@@ -112,8 +142,9 @@ def load_trace(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def summarize_trace(path: str | os.PathLike, window_s: float | None = None, top: int = 15) -> dict[str, Any]:
-    """Device busy time by stream and kernel family, host time in synchronisations and the device's largest idle gaps
-    (by the kernels around them), from a Chrome trace written by torch.profiler. `window_s` is the wall time of the
+    """Device busy time by stream and kernel family, host time in synchronisations, the device's largest idle gaps
+    (by the kernels around them) and the host ops behind its memsets and copies, from a Chrome trace written by
+    torch.profiler. `window_s` is the wall time of the
     profiled steps (default: the span from the first to the last event in the trace)."""
     events = [e for e in load_trace(path) if e.get("ph") == "X" and "dur" in e]
     if not events:
@@ -162,6 +193,7 @@ def summarize_trace(path: str | os.PathLike, window_s: float | None = None, top:
                         sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:top]],
         "idle_gaps": idle_gaps([(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", "?"))
                                 for e in device], top),
+        "memsets_and_copies": launchers(events, top),
     }
 
 

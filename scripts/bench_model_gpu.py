@@ -119,6 +119,10 @@ def profile(step, args, name: str) -> None:
     print(f"profile {name}, kernel ms per step by family: " + ", ".join(
         f"{family} {ms}" for family, ms in summary["per_step_ms"].items())
         + f"; device busy {100 * summary['device_busy_share']:.1f}% of the traced steps", flush=True)
+    if summary["memsets_and_copies"]:
+        print(f"profile {name}, memsets and copies a step, by the host op that made them: " + "; ".join(
+            f"{m['what']} {m['calls'] // steps}x {m['seconds'] * 1e3 / steps:.2f} ms"
+            for m in summary["memsets_and_copies"][:6]), flush=True)
     only = summary["device_only"]
     print(f"profile {name}, device activity only: {only['ms_per_step']:.1f} ms a step traced, kernels "
           f"{only['kernel_ms_per_step']:.1f} ms, device busy {100 * only['device_busy_share']:.1f}%; "

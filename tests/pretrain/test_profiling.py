@@ -85,6 +85,35 @@ def test_summary_of_a_synthetic_two_stream_trace(tmp_path):
     assert "device busy 65.0%" in line and "backward 50%" in line and "syncs 30.0%" in line
 
 
+def test_memsets_and_copies_are_named_by_the_host_op_that_made_them(tmp_path):
+    """By "External id" where the device event has one; else by its runtime call's "correlation" and the innermost op
+    around that call on the same thread (not an op of another thread that spans it too); else "?"."""
+    def op(name, ts, dur, external, tid=1):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid,
+                "args": {"External id": external}}
+
+    def device(cat, name, ts, dur, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"device": 0, "stream": 7, **args}}
+
+    events = [op("aten::zero_", 0, 10, 1), op("aten::copy_", 20, 10, 2),
+              op("aten::linear", 40, 30, 3), op("aten::zeros", 50, 10, 4), op("other::thread", 0, 100, 9, tid=2),
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemsetAsync", "ts": 55, "dur": 1, "tid": 1,
+               "args": {"correlation": 77}},
+              device("gpu_memset", "Memset (Device)", 100, 4, **{"External id": 1}),
+              device("gpu_memset", "Memset (Device)", 110, 4, **{"External id": 1}),
+              device("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 120, 6, **{"External id": 2}),
+              device("gpu_memset", "Memset (Device)", 130, 2, correlation=77),
+              device("gpu_memset", "Memset (Device)", 140, 1),
+              kernel("nvjet_gemm", 150, 20)]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert summarize_trace(path)["memsets_and_copies"] == [
+        {"what": "Memset (Device) <- aten::zero_", "calls": 2, "seconds": pytest.approx(8e-6)},
+        {"what": "Memcpy DtoD (Device -> Device) <- aten::copy_", "calls": 1, "seconds": pytest.approx(6e-6)},
+        {"what": "Memset (Device) <- aten::zeros", "calls": 1, "seconds": pytest.approx(2e-6)},
+        {"what": "Memset (Device) <- ?", "calls": 1, "seconds": pytest.approx(1e-6)}]
+
+
 def test_a_real_cpu_trace(tmp_path):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with torch.profiler.record_function("pretrain.forward"):
