@@ -262,7 +262,8 @@ def saturating_offset(bidirectional: bool, num_buckets: int, max_distance: int) 
     (T5's last buckets, from somewhat below max_distance on): what `relative_attention(saturate=)` needs to sum
     those ranges' bias gradient whole. 0 if the buckets never saturate."""
     far = 2 * max(max_distance, num_buckets) + 1
-    distances = torch.arange(1, far + 1)
+    distances = torch.arange(1, far + 1, device="cpu")   # a constant of the config: on the host, whatever the
+    # default device (a model built under torch.device("meta") or "cuda": nonzero has no meta kernel, syncs on cuda)
     saturate = 1
     for side in (-1, 1):                          # from one past the farthest distance whose bucket is not the last
         buckets = relative_position_bucket(side * distances, bidirectional, num_buckets, max_distance)

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from pipeline.common import REPO_ROOT, UserError
-from pretrain.model.t5 import T5Config, build, list_presets, load_config
+from pretrain.model.flops import count_parameters
+from pretrain.model.t5 import RelativePositionBias, T5Config, T5Model, build, list_presets, load_config
 
 
 def random_batch(seed, batch=3, input_length=20, target_length=9, high=1000):
@@ -213,3 +214,15 @@ def test_compile_regions_gives_the_eager_loss_and_gradients():
         model(inputs, labels=labels).backward()
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_largest_preset_builds_on_the_meta_device_with_the_counted_parameters():
+    """`with torch.device("meta")` builds mt5-xxl (13B) without memory, as users count or plan with it: every
+    parameter where the counts of flops.py say, and the position bias's saturating offset that of a host build."""
+    config = load_config("mt5-xxl")
+    with torch.device("meta"):
+        model = T5Model(config)
+    assert all(p.is_meta for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) == count_parameters(config)
+    host = RelativePositionBias(config, bidirectional=True)
+    assert model.encoder.relative_attention_bias.saturate == host.saturate > 0
