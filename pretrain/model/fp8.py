@@ -81,8 +81,8 @@ def _cast(x: torch.Tensor, x_amax: torch.Tensor, dtype: torch.dtype):
 
     The scale is shaped (1,), not 0-d: Inductor lowers an empty tensor to a bare allocation only when its size has
     a dimension (it marks the buffer as zero ranges, which is no kernel); a 0-d empty is one element of "ranges",
-    so it became a kernel of its own, `triton_poi_fused_empty`, launched before 528 of the 792 casts in an FP8 step
-    of mt5-large (docs/model.md). `_scaled_mm` takes any one-element scale as tensorwise.
+    so it became a kernel of its own, `triton_poi_fused_empty`, with the device idle between it and the cast 528
+    times an FP8 step of mt5-large (docs/model.md). `_scaled_mm` takes any one-element scale as tensorwise.
 
     On the CPU (Triton's interpreter, whose FP8 conversion rounds wrongly: 7.77 to 4 in e4m3) the cast kernel writes
     the scaled, saturated values in fp32 and torch rounds them to FP8; on a GPU the kernel rounds (to nearest even,
