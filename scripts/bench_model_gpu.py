@@ -33,7 +33,8 @@ by our kernels of pretrain/model/gated_gelu.py; the A/B of those); ours-compile-
 whole in one CUDA graph and replayed: a diagnostic of what the host's launches cost, CUDA only; `pretrain` does not
 do this); ours-compile-triton-perdiagonal (the attention's bias gradient summed along the diagonals of every score
 tile, as before score tiles in T5's last bucket were summed whole; the A/B of that); ours-compile-triton-fp8 (the
-blocks' linears as FP8 GEMMs, pretrain/model/fp8.py: `pretrain --precision fp8`; MFU still on the bf16 peak).
+blocks' linears as FP8 GEMMs, pretrain/model/fp8.py: `pretrain --precision fp8`; MFU still on the bf16 peak);
+ours-compile-triton-fp8-fastdx (the same with the input gradient's GEMM in cuBLAS's fast accumulation, an experiment).
 
 `--profile VARIANT` traces 3 steps twice: with host events (the op table, kernel time by family) and with device
 activity only (the host's pace close to an untraced run's: the device's busy share and its idle gaps, named by the
@@ -63,7 +64,7 @@ from pretrain.model.variants import attention_of, build_variant  # noqa: E402
 
 VARIANTS = ("hf", "hf-compile", "ours", "ours-compile", "ours-compile-flex", "ours-compile-triton",
             "ours-compile-triton-torchgate", "ours-compile-triton-graphed", "ours-compile-triton-perdiagonal",
-            "ours-compile-triton-fp8")
+            "ours-compile-triton-fp8", "ours-compile-triton-fp8-fastdx")
 
 
 def sync(device: str) -> None:

@@ -119,7 +119,7 @@ def _register(name: str, fake):
     return decorate
 
 
-def _forward_fake(x, weight, x_amax, w_amax):
+def _forward_fake(x, weight, x_amax, w_amax, fast_input_grad):
     rows = x.numel() // x.shape[-1]
     scalar = x.new_empty(1, dtype=torch.float32)     # a scale's shape (_cast)
     return (x.new_empty(*x.shape[:-1], weight.shape[0]), x.new_empty(x.shape[-1], rows, dtype=FORWARD_DTYPE), scalar,
@@ -127,10 +127,10 @@ def _forward_fake(x, weight, x_amax, w_amax):
 
 
 @_register("fp8_linear", _forward_fake)
-def _forward(x: torch.Tensor, weight: torch.Tensor, x_amax: torch.Tensor, w_amax: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _forward(x: torch.Tensor, weight: torch.Tensor, x_amax: torch.Tensor, w_amax: torch.Tensor,
+             fast_input_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x @ weight.T, and for the backward: x's transposed FP8 copy, its scale, the weight's transposed FP8 copy,
-    its scale); x_amax and w_amax: their max |value| (`amax`)."""
+    its scale); x_amax and w_amax: their max |value| (`amax`); fast_input_grad: for the backward (`_backward`)."""
     x2 = _rows(x)
     x8, x8_t, x_scale = _cast(x2, x_amax, FORWARD_DTYPE)
     w8, w8_t, w_scale = _cast(weight, w_amax, FORWARD_DTYPE)
@@ -138,18 +138,20 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, x_amax: torch.Tensor, w_amax
     return y.view(*x.shape[:-1], weight.shape[0]), x8_t, x_scale, w8_t, w_scale
 
 
-def _backward_fake(dy, dy_amax, x8_t, x_scale, w8_t, w_scale, weight_dtype):
+def _backward_fake(dy, dy_amax, x8_t, x_scale, w8_t, w_scale, weight_dtype, fast_input_grad):
     return dy.new_empty(*dy.shape[:-1], w8_t.shape[0]), dy.new_empty(w8_t.shape[1], w8_t.shape[0], dtype=weight_dtype)
 
 
 @_register("fp8_linear_backward", _backward_fake)
 def _backward(dy: torch.Tensor, dy_amax: torch.Tensor, x8_t: torch.Tensor, x_scale: torch.Tensor,
-              w8_t: torch.Tensor, w_scale: torch.Tensor, weight_dtype: torch.dtype
+              w8_t: torch.Tensor, w_scale: torch.Tensor, weight_dtype: torch.dtype, fast_input_grad: bool
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dweight) in FP8 GEMMs: dx = dy @ W (dy e5m2 row-major, W column-major), dW = dy.T @ x."""
+    """(dx, dweight) in FP8 GEMMs: dx = dy @ W (dy e5m2 row-major, W column-major), dW = dy.T @ x. Both with
+    cuBLAS's promoted accumulation (partial sums added in fp32 at intervals), dx with the fast one where
+    fast_input_grad (an experiment: `convert_to_fp8`). dW keeps the promoted one: it sums over every token."""
     dy2 = _rows(dy)
     dy8, dy8_t, dy_scale = _cast(dy2, dy_amax, GRAD_DTYPE)
-    dx = torch._scaled_mm(dy8, w8_t.t(), dy_scale, w_scale, out_dtype=dy.dtype)
+    dx = torch._scaled_mm(dy8, w8_t.t(), dy_scale, w_scale, out_dtype=dy.dtype, use_fast_accum=fast_input_grad)
     dw = torch._scaled_mm(dy8_t, x8_t.t(), dy_scale, x_scale, out_dtype=weight_dtype)
     return dx.view(*dy.shape[:-1], w8_t.shape[0]), dw
 
@@ -157,13 +159,14 @@ def _backward(dy: torch.Tensor, dy_amax: torch.Tensor, x8_t: torch.Tensor, x_sca
 def _setup_context(ctx, inputs, output):
     _, x8_t, x_scale, w8_t, w_scale = output
     ctx.save_for_backward(x8_t, x_scale, w8_t, w_scale)
-    ctx.weight_dtype = inputs[1].dtype
+    ctx.weight_dtype, ctx.fast_input_grad = inputs[1].dtype, inputs[4]
 
 
 def _autograd_backward(ctx, dy, *unused):
     x8_t, x_scale, w8_t, w_scale = ctx.saved_tensors
-    dx, dw = _backward(dy, amax(dy), x8_t, x_scale, w8_t, w_scale, ctx.weight_dtype)   # amax: in the traced backward
-    return dx, dw, None, None
+    dx, dw = _backward(dy, amax(dy), x8_t, x_scale, w8_t, w_scale, ctx.weight_dtype,   # amax: in the traced backward
+                       ctx.fast_input_grad)
+    return dx, dw, None, None, None
 
 
 torch.library.register_autograd("t5zero::fp8_linear", _autograd_backward, setup_context=_setup_context)
@@ -175,28 +178,32 @@ def fp8_shapes_fit(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return all(size % FP8_ALIGNMENT == 0 for size in (*weight.shape, rows))   # tokens: dW's inner
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, fast_input_grad: bool = False) -> torch.Tensor:
     """x @ weight.T with FP8 GEMMs forward and backward (module docstring); F.linear where a dimension is not a
-    multiple of 16 (e.g. a decoder of 114 targets at an odd micro batch)."""
+    multiple of 16 (e.g. a decoder of 114 targets at an odd micro batch). fast_input_grad: see `_backward`."""
     if not fp8_shapes_fit(x, weight):
         return F.linear(x, weight)
     device = x.device.type
     if torch.is_autocast_enabled(device):     # the op is not autocast's: its output in the dtype autocast would give
         x = x.to(torch.get_autocast_dtype(device))
-    return _forward(x, weight, amax(x), amax(weight))[0]
+    return _forward(x, weight, amax(x), amax(weight), fast_input_grad)[0]
 
 
 class Fp8Linear(nn.Linear):
     """An `nn.Linear` without bias whose product runs through `fp8_linear`; same parameter, same state dict."""
+    fast_input_grad = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight)
+        return fp8_linear(x, self.weight, self.fast_input_grad)
 
 
-def convert_to_fp8(model: nn.Module, device: torch.device | str | None = None) -> list[str]:
+def convert_to_fp8(model: nn.Module, device: torch.device | str | None = None, fast_input_grad: bool = False
+                   ) -> list[str]:
     """Make every bias-free `nn.Linear` in the encoder and decoder blocks an `Fp8Linear` in place (the LM head, the
     embedding and attention's own products stay in bf16); returns their names. Call before `compile_regions()`.
-    A UserError if `device` (default: where the model's parameters are) has no FP8 tensor cores."""
+    A UserError if `device` (default: where the model's parameters are) has no FP8 tensor cores.
+    fast_input_grad: the input gradient's GEMM with fast accumulation, an experiment of the model benchmark (its
+    `-fastdx` variants); not measured yet, so not a `pretrain` setting."""
     device = torch.device(device if device is not None else next(model.parameters()).device)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     require_fp8(device.type, capability, str(device))
@@ -204,5 +211,6 @@ def convert_to_fp8(model: nn.Module, device: torch.device | str | None = None) -
     for name, module in model.named_modules():
         if type(module) is nn.Linear and module.bias is None and name.startswith(CONVERTED_STACKS):
             module.__class__ = Fp8Linear
+            module.fast_input_grad = fast_input_grad
             names.append(name)
     return names

@@ -97,6 +97,34 @@ def test_the_linear_and_its_gradients_are_the_fp8_products(dtype):
     assert relative_error(weight.grad, dy.double().reshape(-1, 48).t() @ exact) < 0.1
 
 
+@pytest.mark.parametrize("fast_input_grad", [False, True])
+def test_the_linear_accumulates_fast_in_the_forward_and_on_request_the_input_gradient(monkeypatch, fast_input_grad):
+    """cuBLAS's fast accumulation (no fp32 promotion of partial sums) in the forward; in the input gradient only
+    where asked (the benchmark's -fastdx experiment); never in the weight gradient, which sums over every token.
+    The gradients stay the FP8 products either way."""
+    calls, scaled_mm = [], torch._scaled_mm
+
+    def recording(a, b, scale_a, scale_b, **kwargs):
+        calls.append(kwargs.get("use_fast_accum", False))
+        return scaled_mm(a, b, scale_a, scale_b, **kwargs)
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(32, 64, generator=generator, device=DEVICE, requires_grad=True)
+    weight = torch.randn(48, 64, generator=generator, device=DEVICE, requires_grad=True)
+    dy = torch.randn(32, 48, generator=generator, device=DEVICE)
+    fp8.fp8_linear(x, weight, fast_input_grad).backward(dy)
+    assert calls == [True, fast_input_grad, False]          # forward, input gradient, weight gradient
+    _, want_dx, want_dw = emulated(x.detach(), weight.detach(), dy)
+    assert relative_error(x.grad, want_dx) < 1e-3 and relative_error(weight.grad, want_dw) < 1e-3
+
+
+def test_convert_hands_the_experiment_to_every_linear():
+    model = build("t5-tiny", vocab_size=128)
+    names = fp8.convert_to_fp8(model, DEVICE, fast_input_grad=True)
+    assert names and all(model.get_submodule(name).fast_input_grad for name in names)
+    assert fp8.Fp8Linear.fast_input_grad is False
+
+
 def test_shapes_fp8_cannot_take_fall_back_to_the_plain_linear():
     x = torch.randn(3, 7, 64, device=DEVICE)                         # 21 rows: the weight gradient's inner dimension
     weight = torch.randn(32, 64, device=DEVICE)
