@@ -18,6 +18,7 @@ launches); a long host wait beside an idle GPU means a synchronisation stalls th
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import os
@@ -105,11 +106,16 @@ def launchers(events: list[dict[str, Any]], top: int = 10) -> list[dict[str, Any
     runtime = {arg(e, "correlation"): e for e in events
                if e.get("cat") == "cuda_runtime" and arg(e, "correlation") is not None}
 
+    by_thread: dict[Any, list[tuple[float, int, float, str]]] = defaultdict(list)   # (start, -order, end, name)
+    for order, op in enumerate(ops):
+        by_thread[op.get("tid")].append((float(op["ts"]), -order, float(op["ts"]) + float(op["dur"]), op["name"]))
+    for spans in by_thread.values():
+        spans.sort()
+
     def enclosing_op(call):   # the latest-starting host op of the call's thread whose span holds the call
-        ts = float(call["ts"])
-        around = [op for op in ops if op.get("tid") == call.get("tid")
-                  and float(op["ts"]) <= ts <= float(op["ts"]) + float(op["dur"])]
-        return max(around, key=lambda op: float(op["ts"]))["name"] if around else None
+        spans, ts = by_thread.get(call.get("tid"), []), float(call["ts"])
+        started = bisect.bisect_right(spans, (ts, float("inf")))       # the ops that started by the call
+        return next((spans[i][3] for i in range(started - 1, -1, -1) if spans[i][2] >= ts), None)
 
     pairs = []
     for event in events:
