@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.common import UserError, sha256_file
+from pretrain.ds_config import resolve_precision
 from pretrain.model.memory import GIB, estimate_memory
 
 VOCAB_MULTIPLE = 128
@@ -202,7 +203,7 @@ def run_preflight(config, *, world_size: int, local_world_size: int, announce: b
         raise UserError(f"{where}: {data['num_examples']} examples, fewer than one global batch of {global_batch}; "
                         f"use a smaller --global-batch or a larger shard set")
     device = device_memory(local_world_size)
-    precision = config.precision if config.precision != "auto" else ("bf16" if device["kind"] == "cuda" else "fp32")
+    precision = resolve_precision(config.precision, device["kind"])     # as each rank resolves it
     if precision == "fp8":
         on_cuda = device["kind"] == "cuda"
         require_fp8(device["kind"], device.get("capability"), device["name"] if on_cuda else "this node")
