@@ -14,9 +14,9 @@ import math
 
 import pytest
 
+from launching import COMMON, ok, pretrain
 from pretrain.checkpoint import complete_tags, tag_for
 from pretrain.metrics import read_metrics
-from tests.pretrain.test_trainer import COMMON, ok, pretrain
 
 # batch 3 NaN; batch 5 x1000 (a loss spike: the window of 3 accepted steps 1, 2, 4 is full by then)
 BAD = ["--debug-nan-batches", "3", "--debug-spike-batches", "5", "--spike-window", "3", "--spike-sigmas", "20",

@@ -24,6 +24,7 @@ from tests.pretrain.triton_kernels import DEVICE, relative_error, require_kernel
 
 require_kernels()
 
+from launching import pretrain  # noqa: E402
 from pipeline.common import REPO_ROOT, UserError  # noqa: E402
 from pretrain.model import fp8  # noqa: E402
 from pretrain.model.t5 import build, fp8_bf16_parts, load_config  # noqa: E402
@@ -217,12 +218,6 @@ def test_settings_treat_fp8_as_bf16_for_the_engine_mfu_and_memory():
             == estimate_memory(model_config, precision="bf16", **settings))
 
 
-def pretrain(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "pretrain.cli", *args], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=REPO_ROOT)
-
-
 @pytest.mark.parametrize("micro_batch", [1, 2, 4, 6, 8, 16])
 def test_preflight_names_the_parts_fp8_leaves_in_bf16_as_the_linear_does(micro_batch):
     """mt5-large at 512/114: the encoder's token count is always a multiple of 16, the decoder's only at micro batches
@@ -255,7 +250,7 @@ def test_pretrain_fp8_end_to_end_on_cpu(tiny_shards, tmp_path, zero, ranks):
     out = tmp_path / "fp8"
     result = pretrain("--model", "t5-tiny", "--steps", "4", "--micro-batch", "4", "--global-batch", "8", "--lr", "3e-3",
                       "--warmup-steps", "1", "--zero", str(zero), "--nproc", str(ranks), "--precision", "fp8",
-                      "--no-save-final", "--steady-skip", "1", "--data", str(tiny_shards), "--out", str(out))
+                      "--no-save-final", "--steady-skip", "1", "--data", str(tiny_shards), "--out", str(out), timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"ZeRO {zero}, offload none, fp8" in result.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -291,7 +286,7 @@ def test_pretrain_fp8_resumes_exactly(tiny_shards, tmp_path):
     for args in (["--out", str(tmp_path / "through"), "--no-save-final"],
                  ["--out", str(tmp_path / "stopped"), "--save-every", "2", "--stop-after", "2"],
                  ["--out", str(tmp_path / "stopped"), "--resume", "--no-save-final"]):
-        result = pretrain(*common, *args)
+        result = pretrain(*common, *args, timeout=300)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[resume] step-00000002" in result.stdout
 

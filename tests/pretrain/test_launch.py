@@ -17,7 +17,6 @@ import pytest
 
 from pipeline.common import REPO_ROOT, UserError
 from pretrain.cli import resolve_config
-from pretrain.config import TrainConfig
 from pretrain.ds_config import build_ds_config
 from pretrain.launch import last_error_line
 from pretrain.ranks import free_port, rank_env, slurm_rank_environ

@@ -10,9 +10,9 @@ import json
 
 import pytest
 
+from launching import ok, pretrain
 from pretrain.hostcpu import HOST_KEYS
 from pretrain.metrics import read_metrics
-from tests.pretrain.test_trainer import ok, pretrain
 
 ONLINE = ["--model", "t5-tiny", "--steps", "4", "--micro-batch", "4", "--global-batch", "16", "--lr", "3e-3",
           "--seed", "0", "--steady-skip", "1", "--zero", "2", "--nproc", "2", "--loader", "online",

@@ -22,7 +22,7 @@ import time
 import psutil
 import pytest
 
-from background import STEPS, Launch, no_process_left
+from launching import STEPS, Launch, no_process_left
 from pretrain.metrics import read_metrics
 from pretrain.ranks import RESUMABLE_EXIT
 

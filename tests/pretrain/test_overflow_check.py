@@ -73,7 +73,7 @@ def test_a_real_bf16_zero2_run_installs_the_fused_check_and_still_skips_a_nan(ti
     import json
 
     from pretrain.metrics import read_metrics
-    from tests.pretrain.test_trainer import COMMON, ok, pretrain
+    from launching import COMMON, ok, pretrain
 
     out = tmp_path / "z2-bf16"
     ok(pretrain(*COMMON, "--data", str(tiny_shards), "--out", str(out), "--zero", "2", "--nproc", "1",

@@ -10,14 +10,13 @@ Real DeepSpeed on CPU (gloo), t5-tiny on the `tiny_shards` set; 6 launches of 3-
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
+from launching import COMMON, ok, pretrain
 from pretrain.checkpoint import MARKER, complete_tags, tag_for
 from pretrain.metrics import read_metrics
-from tests.pretrain.test_trainer import COMMON, ok, pretrain
 
 
 def launch(shards: Path, out: Path, *args: str):

@@ -21,17 +21,16 @@ from pathlib import Path
 
 import pytest
 
+from launching import TRAIN as LAUNCH_TRAIN
+from launching import Launch, child_env, no_process_left
 from pipeline.common import REPO_ROOT, UserError
 from pretrain.runlock import LOCK_NAME, acquire_run_lock, lock_holder, output_dir, wait_until_unlocked
-from background import TRAIN as LAUNCH_TRAIN
-from background import Launch, no_process_left
 
 TRAIN = ["--model", "t5-tiny", "--steps", "4", "--micro-batch", "2", "--global-batch", "4"]
 
 
 def run(*argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               RAY_USAGE_STATS_ENABLED="0")
+    env = child_env(RAY_USAGE_STATS_ENABLED="0")
     return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=timeout, env=env,
                           cwd=REPO_ROOT)
 

@@ -215,7 +215,7 @@ def test_pretrain_remote_mode_end_to_end_from_cold_and_resumes(s3_endpoint, tiny
     """`pretrain --loader remote` on the real tiny shard set uploaded to the S3 server: from a cold cache smaller
     than the set, with the first batch's wait reported; a run stopped and resumed reads exactly the batches of a
     whole run (the remote mode's order is shard after shard, not the shards mode's global order)."""
-    from tests.pretrain.test_trainer import ok, pretrain
+    from launching import ok, pretrain
 
     url = f"s3://{BUCKET}/shards/tiny-e2e"
     upload(tiny_shards, url)

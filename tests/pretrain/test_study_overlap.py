@@ -11,8 +11,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
-from pathlib import Path
 
 import pytest
 import yaml

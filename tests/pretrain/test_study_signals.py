@@ -7,7 +7,6 @@ signal as its reason (real `pretrain` launches, CPU, gloo, 2 ranks).
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -18,14 +17,14 @@ import psutil
 import pytest
 import yaml
 
-from background import no_process_left
+from launching import child_env, no_process_left
 from pipeline.common import REPO_ROOT
 from pretrain.metrics import read_metrics
 from pretrain.study.runner import classify
 
 
 def start_study(grid: Path, out: Path, shards: Path, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env = child_env()
     with open(log, "w") as console:
         return subprocess.Popen([sys.executable, "-m", "pretrain.study.cli", "run", str(grid), "--out", str(out),
                                  "--data", str(shards)], stdout=console, stderr=subprocess.STDOUT, env=env,

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -36,24 +35,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.common import REPO_ROOT
+from launching import COMMON, RUN_STEPS, child_env, ok, pretrain
 from pretrain.checkpoint import MARKER, UNIVERSAL, latest_complete, tag_for
 from pretrain.metrics import STEP_KEYS, read_metrics
 
-STEPS, HALF = 6, 3
-COMMON = ["--model", "t5-tiny", "--steps", str(STEPS), "--micro-batch", "4", "--global-batch", "16", "--lr", "3e-3",
-          "--warmup-steps", "1", "--schedule", "cosine", "--seed", "0", "--steady-skip", "1"]
-
-
-def pretrain(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "pretrain.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=REPO_ROOT)
-
-
-def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert result.returncode == 0, f"pretrain failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    return result
+STEPS, HALF = RUN_STEPS, RUN_STEPS // 2
 
 
 class Runs:
@@ -169,8 +155,7 @@ def test_partitioned_zero3_build_equals_the_plain_build_bit_for_bit(tmp_path):
 
     script = tmp_path / "check.py"
     script.write_text(PARTITIONED_BUILD_CHECK)
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
     ranks = [subprocess.Popen([sys.executable, str(script)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outputs = [rank.communicate(timeout=180)[0] for rank in ranks]

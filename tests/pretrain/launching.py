@@ -1,6 +1,8 @@
-"""`pretrain` launches in the background for tests that signal, kill or stop them, and the check that nothing of a
-run is left running afterwards (psutil).
+"""How the tests start `pretrain` and the other commands as child processes: to the end (`pretrain`, `ok`), in the
+background for tests that signal, kill or stop them (`Launch`), and the check that nothing of a run is left running
+afterwards (psutil).
 
+    ok(pretrain(*COMMON, "--data", str(shards), "--out", str(out)))
     launch = Launch(shards, out, "--steps", "8"); launch.wait_for_step(2); os.kill(launch.rank_pid(1), 9)
 """
 
@@ -18,9 +20,30 @@ import psutil
 from pipeline.common import REPO_ROOT
 from pretrain.metrics import read_metrics
 
+# t5-tiny, 6 steps of 16 sequences (micro batch 4): the runs of test_trainer and the tests that compare against them
+RUN_STEPS = 6
+COMMON = ["--model", "t5-tiny", "--steps", str(RUN_STEPS), "--micro-batch", "4", "--global-batch", "16", "--lr", "3e-3",
+          "--warmup-steps", "1", "--schedule", "cosine", "--seed", "0", "--steady-skip", "1"]
 STEPS = 8
 TRAIN = ["--model", "t5-tiny", "--steps", str(STEPS), "--micro-batch", "4", "--global-batch", "16", "--lr", "3e-3",
           "--warmup-steps", "1", "--seed", "0", "--steady-skip", "1", "--zero", "2", "--nproc", "2"]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """A child's environment: this checkout importable, its output unbuffered, one OpenMP thread (2-core CI)."""
+    return dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
+
+
+def pretrain(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """`python -m pretrain.cli ARGS` to its end, its console captured."""
+    return subprocess.run([sys.executable, "-m", "pretrain.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=child_env(), cwd=REPO_ROOT)
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, (f"pretrain failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
+                                    f"{result.stderr[-3000:]}")
+    return result
 
 
 class Launch:
@@ -30,7 +53,7 @@ class Launch:
         self.out = out
         out.parent.mkdir(parents=True, exist_ok=True)
         self.stdout_path, self.stderr_path = out.with_suffix(".console.out"), out.with_suffix(".console.err")
-        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env = child_env()
         with open(self.stdout_path, "a") as stdout, open(self.stderr_path, "w") as stderr:
             self.process = subprocess.Popen([sys.executable, "-m", "pretrain.cli", *TRAIN, "--data", str(shards),
                                              "--out", str(out), *args], stdout=stdout, stderr=stderr, env=env,
