@@ -10,6 +10,8 @@ Inductor folds into the kernel that makes the tensor where it can; our kernel th
 writes the FP8 copy both as it is and transposed, since `_scaled_mm` takes its first operand row-major and its
 second column-major, and the weight gradient needs the activations and the output gradient the other way round.
 The forward keeps x's transposed FP8 copy (1 byte an element) for the weight gradient instead of x itself.
+Our gate kernels are custom ops, which Inductor cannot fold a reduction into: `fp8_gated_ffn` (an experiment,
+`convert_to_fp8(fused_ffn=True)`) runs a whole feed-forward as one op whose gate kernels hand max |x| over.
 
 torchao's float8 training did the same casts through Inductor and was slower than bf16 here (0.94x at mt5-large,
 docs/model.md "FP8 GEMMs"); the GEMMs alone are 1.6-1.9x faster in FP8 on an H200 (same page). The weights stay
@@ -29,7 +31,8 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from pretrain.model.t5 import FP8_ALIGNMENT, require_fp8
+from pretrain.model.gated_gelu import launch_backward, launch_forward
+from pretrain.model.t5 import FP8_ALIGNMENT, GatedGeluFFN, require_fp8, require_kernel_device
 
 FORWARD_DTYPE, GRAD_DTYPE = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {FORWARD_DTYPE: 448.0, GRAD_DTYPE: 57344.0}
@@ -126,16 +129,34 @@ def _forward_fake(x, weight, x_amax, w_amax, fast_input_grad):
             x.new_empty(weight.shape[1], weight.shape[0], dtype=FORWARD_DTYPE), scalar.clone())
 
 
+def _linear_forward(x2: torch.Tensor, weight: torch.Tensor, x_amax: torch.Tensor, w_amax: torch.Tensor):
+    """(x2 @ weight.T for x2 [rows, in], then for the backward: x2's transposed FP8 copy, its scale, the weight's
+    transposed FP8 copy, its scale); x_amax and w_amax: their max |value| (`amax`)."""
+    x8, x8_t, x_scale = _cast(x2, x_amax, FORWARD_DTYPE)
+    w8, w8_t, w_scale = _cast(weight, w_amax, FORWARD_DTYPE)
+    y = torch._scaled_mm(x8, w8.t(), x_scale, w_scale, out_dtype=x2.dtype, use_fast_accum=True)
+    return y, x8_t, x_scale, w8_t, w_scale
+
+
+def _linear_backward(dy2: torch.Tensor, dy_amax: torch.Tensor, x8_t: torch.Tensor, x_scale: torch.Tensor,
+                     w8_t: torch.Tensor, w_scale: torch.Tensor, weight_dtype: torch.dtype, fast_input_grad: bool):
+    """(dx, dweight) of a product `_linear_forward` made, dy2 [rows, out] its output's gradient, dy_amax its max
+    |value|: dx = dy @ W (dy e5m2 row-major, W column-major), dW = dy.T @ x, both FP8 GEMMs. Both with cuBLAS's
+    promoted accumulation (partial sums added in fp32 at intervals), dx with the fast one where fast_input_grad (an
+    experiment: `convert_to_fp8`). dW keeps the promoted one: it sums over every token."""
+    dy8, dy8_t, dy_scale = _cast(dy2, dy_amax, GRAD_DTYPE)
+    dx = torch._scaled_mm(dy8, w8_t.t(), dy_scale, w_scale, out_dtype=dy2.dtype, use_fast_accum=fast_input_grad)
+    dw = torch._scaled_mm(dy8_t, x8_t.t(), dy_scale, x_scale, out_dtype=weight_dtype)
+    return dx, dw
+
+
 @_register("fp8_linear", _forward_fake)
 def _forward(x: torch.Tensor, weight: torch.Tensor, x_amax: torch.Tensor, w_amax: torch.Tensor,
              fast_input_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x @ weight.T, and for the backward: x's transposed FP8 copy, its scale, the weight's transposed FP8 copy,
     its scale); x_amax and w_amax: their max |value| (`amax`); fast_input_grad: for the backward (`_backward`)."""
-    x2 = _rows(x)
-    x8, x8_t, x_scale = _cast(x2, x_amax, FORWARD_DTYPE)
-    w8, w8_t, w_scale = _cast(weight, w_amax, FORWARD_DTYPE)
-    y = torch._scaled_mm(x8, w8.t(), x_scale, w_scale, out_dtype=x.dtype, use_fast_accum=True)
-    return y.view(*x.shape[:-1], weight.shape[0]), x8_t, x_scale, w8_t, w_scale
+    y, *saved = _linear_forward(_rows(x), weight, x_amax, w_amax)
+    return y.view(*x.shape[:-1], weight.shape[0]), *saved
 
 
 def _backward_fake(dy, dy_amax, x8_t, x_scale, w8_t, w_scale, weight_dtype, fast_input_grad):
@@ -146,13 +167,8 @@ def _backward_fake(dy, dy_amax, x8_t, x_scale, w8_t, w_scale, weight_dtype, fast
 def _backward(dy: torch.Tensor, dy_amax: torch.Tensor, x8_t: torch.Tensor, x_scale: torch.Tensor,
               w8_t: torch.Tensor, w_scale: torch.Tensor, weight_dtype: torch.dtype, fast_input_grad: bool
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dweight) in FP8 GEMMs: dx = dy @ W (dy e5m2 row-major, W column-major), dW = dy.T @ x. Both with
-    cuBLAS's promoted accumulation (partial sums added in fp32 at intervals), dx with the fast one where
-    fast_input_grad (an experiment: `convert_to_fp8`). dW keeps the promoted one: it sums over every token."""
-    dy2 = _rows(dy)
-    dy8, dy8_t, dy_scale = _cast(dy2, dy_amax, GRAD_DTYPE)
-    dx = torch._scaled_mm(dy8, w8_t.t(), dy_scale, w_scale, out_dtype=dy.dtype, use_fast_accum=fast_input_grad)
-    dw = torch._scaled_mm(dy8_t, x8_t.t(), dy_scale, x_scale, out_dtype=weight_dtype)
+    """(dx, dweight) of `_forward`'s product (`_linear_backward`)."""
+    dx, dw = _linear_backward(_rows(dy), dy_amax, x8_t, x_scale, w8_t, w_scale, weight_dtype, fast_input_grad)
     return dx.view(*dy.shape[:-1], w8_t.shape[0]), dw
 
 
@@ -170,6 +186,69 @@ def _autograd_backward(ctx, dy, *unused):
 
 
 torch.library.register_autograd("t5zero::fp8_linear", _autograd_backward, setup_context=_setup_context)
+
+
+def _ffn_forward_fake(x, wi, wo, x_amax, wi_amax, wo_amax, fast_input_grad):
+    rows, scalar = x.numel() // x.shape[-1], x.new_empty(1, dtype=torch.float32)
+    return (x.new_empty(*x.shape[:-1], wo.shape[0]), x.new_empty(rows, wi.shape[0]),
+            x.new_empty(x.shape[-1], rows, dtype=FORWARD_DTYPE), scalar,
+            x.new_empty(wi.shape[1], wi.shape[0], dtype=FORWARD_DTYPE), scalar.clone(),
+            x.new_empty(wo.shape[1], rows, dtype=FORWARD_DTYPE), scalar.clone(),
+            x.new_empty(wo.shape[1], wo.shape[0], dtype=FORWARD_DTYPE), scalar.clone())
+
+
+FFN_OUTPUTS = tuple[(torch.Tensor,) * 10]     # spelt out: torch.library infers the op's schema from the annotation
+
+
+@_register("fp8_gated_ffn", _ffn_forward_fake)
+def _ffn_forward(x: torch.Tensor, wi: torch.Tensor, wo: torch.Tensor, x_amax: torch.Tensor, wi_amax: torch.Tensor,
+                 wo_amax: torch.Tensor, fast_input_grad: bool) -> FFN_OUTPUTS:
+    """T5's gated feed-forward, wo(gelu_tanh(wi_0 x) * wi_1 x), as one op: the two linears as `_forward` does them,
+    with the gate kernel (pretrain/model/gated_gelu.py) handing over max |hidden| for wo's cast. Returns the output,
+    then for the backward: the projection u = x @ wi.T (the gate's input), and the FP8 copies and scales of both
+    products (`_linear_forward`)."""
+    u, *wi_saved = _linear_forward(_rows(x), wi, x_amax, wi_amax)
+    hidden = u.new_empty(u.shape[0], wo.shape[1])
+    hidden_amax = torch.zeros(1, dtype=torch.float32, device=u.device)
+    launch_forward(u, hidden, hidden_amax, launch=_launch)
+    y, *wo_saved = _linear_forward(hidden, wo, hidden_amax, wo_amax)
+    return y.view(*x.shape[:-1], wo.shape[0]), u, *wi_saved, *wo_saved
+
+
+def _ffn_backward_fake(dy, dy_amax, u, x8_t, x_scale, wi8_t, wi_scale, h8_t, h_scale, wo8_t, wo_scale, weight_dtype,
+                       fast_input_grad):
+    return (dy.new_empty(*dy.shape[:-1], wi8_t.shape[0]),
+            dy.new_empty(wi8_t.shape[1], wi8_t.shape[0], dtype=weight_dtype),
+            dy.new_empty(wo8_t.shape[1], wo8_t.shape[0], dtype=weight_dtype))
+
+
+@_register("fp8_gated_ffn_backward", _ffn_backward_fake)
+def _ffn_backward(dy: torch.Tensor, dy_amax: torch.Tensor, u: torch.Tensor, x8_t: torch.Tensor, x_scale: torch.Tensor,
+                  wi8_t: torch.Tensor, wi_scale: torch.Tensor, h8_t: torch.Tensor, h_scale: torch.Tensor,
+                  wo8_t: torch.Tensor, wo_scale: torch.Tensor, weight_dtype: torch.dtype, fast_input_grad: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dwi, dwo) of `_ffn_forward`: wo's gradients, the gate's (its kernel handing over max |du| for the cast),
+    then wi's, as `_linear_backward` does them."""
+    dhidden, dwo = _linear_backward(_rows(dy), dy_amax, h8_t, h_scale, wo8_t, wo_scale, weight_dtype,
+                                    fast_input_grad)
+    du = torch.empty_like(u)
+    du_amax = torch.zeros(1, dtype=torch.float32, device=u.device)
+    launch_backward(u, dhidden, du, du_amax, launch=_launch)
+    dx, dwi = _linear_backward(du, du_amax, x8_t, x_scale, wi8_t, wi_scale, weight_dtype, fast_input_grad)
+    return dx.view(*dy.shape[:-1], wi8_t.shape[0]), dwi, dwo
+
+
+def _ffn_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*output[1:])
+    ctx.weight_dtype, ctx.fast_input_grad = inputs[1].dtype, inputs[6]
+
+
+def _ffn_autograd_backward(ctx, dy, *unused):
+    dx, dwi, dwo = _ffn_backward(dy, amax(dy), *ctx.saved_tensors, ctx.weight_dtype, ctx.fast_input_grad)
+    return dx, dwi, dwo, None, None, None, None
+
+
+torch.library.register_autograd("t5zero::fp8_gated_ffn", _ffn_autograd_backward, setup_context=_ffn_setup_context)
 
 
 def fp8_shapes_fit(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -197,13 +276,38 @@ class Fp8Linear(nn.Linear):
         return fp8_linear(x, self.weight, self.fast_input_grad)
 
 
-def convert_to_fp8(model: nn.Module, device: torch.device | str | None = None, fast_input_grad: bool = False
-                   ) -> list[str]:
+def fp8_gated_ffn(x: torch.Tensor, wi: torch.Tensor, wo: torch.Tensor, fast_input_grad: bool = False) -> torch.Tensor:
+    """wo(gelu_tanh(wi_0 x) * wi_1 x) (`GatedGeluFFN` without dropout) in one op, `_ffn_forward`: the same values and
+    gradients as fp8_linear, the gate kernel and fp8_linear again, without the two reductions that find max |x| of
+    the gate's output and of its gradient. Needs `fp8_shapes_fit` for both weights."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):     # as fp8_linear
+        x = x.to(torch.get_autocast_dtype(device))
+    return _ffn_forward(x, wi, wo, amax(x), amax(wi), amax(wo), fast_input_grad)[0]
+
+
+class Fp8GatedGeluFFN(GatedGeluFFN):
+    """A `GatedGeluFFN` whose linears are `Fp8Linear`s, run by `fp8_gated_ffn` where it applies (the gate by our
+    kernel, no dropout, shapes FP8 takes), else as before; same parameters, same state dict."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = (self.config.gated_gelu_kind(x.device.type) == "triton"
+                 and (self.config.dropout_rate == 0 or not self.training)
+                 and fp8_shapes_fit(x, self.wi.weight) and fp8_shapes_fit(x, self.wo.weight))
+        if not fused:
+            return super().forward(x)
+        require_kernel_device("gated_gelu", x.device.type, instead="torch")
+        return fp8_gated_ffn(x, self.wi.weight, self.wo.weight, self.wi.fast_input_grad)
+
+
+def convert_to_fp8(model: nn.Module, device: torch.device | str | None = None, fast_input_grad: bool = False,
+                   fused_ffn: bool = False) -> list[str]:
     """Make every bias-free `nn.Linear` in the encoder and decoder blocks an `Fp8Linear` in place (the LM head, the
     embedding and attention's own products stay in bf16); returns their names. Call before `compile_regions()`.
     A UserError if `device` (default: where the model's parameters are) has no FP8 tensor cores.
-    fast_input_grad: the input gradient's GEMM with fast accumulation, an experiment of the model benchmark (its
-    `-fastdx` variants); not measured yet, so not a `pretrain` setting."""
+    Two experiments of the model benchmark, not measured yet, so not `pretrain` settings: fast_input_grad, the
+    input gradient's GEMM with fast accumulation (its `-fastdx` variants); fused_ffn, each feed-forward as one op,
+    `Fp8GatedGeluFFN` (its `-fusedffn` variants: the same values, two reductions fewer a block)."""
     device = torch.device(device if device is not None else next(model.parameters()).device)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     require_fp8(device.type, capability, str(device))
@@ -213,4 +317,8 @@ def convert_to_fp8(model: nn.Module, device: torch.device | str | None = None, f
             module.__class__ = Fp8Linear
             module.fast_input_grad = fast_input_grad
             names.append(name)
+    if fused_ffn:
+        for name, module in model.named_modules():
+            if type(module) is GatedGeluFFN and f"{name}.wi" in names and f"{name}.wo" in names:
+                module.__class__ = Fp8GatedGeluFFN
     return names

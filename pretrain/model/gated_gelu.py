@@ -15,6 +15,11 @@ do): with y = sqrt(2/pi) (g + 0.044715 g^3) and s = sigmoid(2y) = (1 + tanh y) /
     gelu(g) = g s,    gelu'(g) = s + 2 g s (1 - s) sqrt(2/pi) (1 + 3 * 0.044715 g^2)
 (1 - tanh^2 y = 4 s (1 - s)); s takes one exp2 and one division. On a machine without a GPU the kernels run in
 Triton's interpreter when TRITON_INTERPRET=1 is set before this module is imported (the tests do).
+
+With an AMAX buffer (zeros, fp32) each kernel also folds max |output| into it (`launch_forward`,
+`launch_backward`): the FP8 feed-forward (pretrain/model/fp8.py) casts the gate's output and its gradient with
+that maximum instead of reading them again in a reduction of their own. The maximum is of the values as stored
+(rounded to the output's dtype), so it equals torch's amax of the output.
 """
 
 from __future__ import annotations
@@ -44,26 +49,39 @@ def _tile(rows, width, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def _gated_gelu_fwd_kernel(U, OUT, rows, width, stride_u, stride_out,
-                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _abs_max(stored):
+    """max |stored| of a tile, fp32 (masked elements are zeros)."""
+    return tl.max(tl.max(tl.abs(stored.to(tl.float32)), axis=1), axis=0)
+
+
+@triton.jit
+def _gated_gelu_fwd_kernel(U, OUT, AMAX, rows, width, stride_u, stride_out,
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, WITH_AMAX: tl.constexpr):
     r, c, mask = _tile(rows, width, BLOCK_R, BLOCK_C)
     gate = tl.load(U + r * stride_u + c, mask=mask, other=0.0).to(tl.float32)
     linear = tl.load(U + r * stride_u + width + c, mask=mask, other=0.0).to(tl.float32)
     gelu, _ = _gelu_and_slope(gate)
-    tl.store(OUT + r * stride_out + c, (gelu * linear).to(OUT.dtype.element_ty), mask=mask)
+    out = (gelu * linear).to(OUT.dtype.element_ty)
+    tl.store(OUT + r * stride_out + c, out, mask=mask)
+    if WITH_AMAX:
+        tl.atomic_max(AMAX, _abs_max(out))
 
 
 @triton.jit
-def _gated_gelu_bwd_kernel(U, DOUT, DU, rows, width, stride_u, stride_dout, stride_du,
-                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _gated_gelu_bwd_kernel(U, DOUT, DU, AMAX, rows, width, stride_u, stride_dout, stride_du,
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, WITH_AMAX: tl.constexpr):
     """dU[:, :F] = dout * linear * gelu'(gate), dU[:, F:] = dout * gelu(gate): one tanh (as a sigmoid) per pair."""
     r, c, mask = _tile(rows, width, BLOCK_R, BLOCK_C)
     gate = tl.load(U + r * stride_u + c, mask=mask, other=0.0).to(tl.float32)
     linear = tl.load(U + r * stride_u + width + c, mask=mask, other=0.0).to(tl.float32)
     dout = tl.load(DOUT + r * stride_dout + c, mask=mask, other=0.0).to(tl.float32)
     gelu, slope = _gelu_and_slope(gate)
-    tl.store(DU + r * stride_du + c, (dout * linear * slope).to(DU.dtype.element_ty), mask=mask)
-    tl.store(DU + r * stride_du + width + c, (dout * gelu).to(DU.dtype.element_ty), mask=mask)
+    dgate = (dout * linear * slope).to(DU.dtype.element_ty)
+    dlinear = (dout * gelu).to(DU.dtype.element_ty)
+    tl.store(DU + r * stride_du + c, dgate, mask=mask)
+    tl.store(DU + r * stride_du + width + c, dlinear, mask=mask)
+    if WITH_AMAX:
+        tl.atomic_max(AMAX, tl.maximum(_abs_max(dgate), _abs_max(dlinear)))
 
 
 def _rows(u: torch.Tensor) -> torch.Tensor:
@@ -76,15 +94,37 @@ def _grid(rows: int, width: int) -> tuple[int, int]:
     return triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(width, BLOCK_COLUMNS)
 
 
+def _as_is(kernel):
+    return kernel
+
+
+def launch_forward(flat: torch.Tensor, out: torch.Tensor, amax: torch.Tensor | None = None, launch=_as_is) -> None:
+    """out [rows, F] = gelu_tanh(gate) * linear of flat [rows, 2F] (`_rows`); with amax (a zeroed fp32 buffer) also
+    amax[0] = max |out|. launch: how the caller launches a kernel (fp8.py's ops hand torch.library.wrap_triton)."""
+    rows, width = flat.shape[0], flat.shape[1] // 2
+    if rows and width:
+        launch(_gated_gelu_fwd_kernel)[_grid(rows, width)](
+            flat, out, out if amax is None else amax, rows, width, flat.stride(0), out.stride(0),
+            BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLUMNS, WITH_AMAX=amax is not None, num_warps=NUM_WARPS)
+
+
+def launch_backward(flat: torch.Tensor, dflat: torch.Tensor, du: torch.Tensor, amax: torch.Tensor | None = None,
+                    launch=_as_is) -> None:
+    """du [rows, 2F], the gradient of flat [rows, 2F] given dflat [rows, F], the output's; with amax (a zeroed fp32
+    buffer) also amax[0] = max |du|. launch: as in `launch_forward`."""
+    rows, width = flat.shape[0], flat.shape[1] // 2
+    if rows and width:
+        launch(_gated_gelu_bwd_kernel)[_grid(rows, width)](
+            flat, dflat, du, du if amax is None else amax, rows, width, flat.stride(0), dflat.stride(0), du.stride(0),
+            BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLUMNS, WITH_AMAX=amax is not None, num_warps=NUM_WARPS)
+
+
 @torch.library.custom_op("t5zero::gated_gelu", mutates_args=())
 def _forward(u: torch.Tensor) -> torch.Tensor:
     flat = _rows(u)
-    rows, width = flat.shape[0], flat.shape[1] // 2
-    out = flat.new_empty(rows, width)
-    if rows and width:
-        _gated_gelu_fwd_kernel[_grid(rows, width)](flat, out, rows, width, flat.stride(0), out.stride(0),
-                                                   BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLUMNS, num_warps=NUM_WARPS)
-    return out.view(*u.shape[:-1], width)
+    out = flat.new_empty(flat.shape[0], flat.shape[1] // 2)
+    launch_forward(flat, out)
+    return out.view(*u.shape[:-1], out.shape[1])
 
 
 @_forward.register_fake
@@ -95,12 +135,8 @@ def _(u):
 @torch.library.custom_op("t5zero::gated_gelu_backward", mutates_args=())
 def _backward(dout: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     flat, dflat = _rows(u), _rows(dout)
-    rows, width = flat.shape[0], flat.shape[1] // 2
-    du = flat.new_empty(rows, 2 * width)
-    if rows and width:
-        _gated_gelu_bwd_kernel[_grid(rows, width)](flat, dflat, du, rows, width, flat.stride(0), dflat.stride(0),
-                                                   du.stride(0), BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLUMNS,
-                                                   num_warps=NUM_WARPS)
+    du = flat.new_empty(flat.shape)
+    launch_backward(flat, dflat, du)
     return du.view(u.shape)
 
 

@@ -27,7 +27,8 @@ require_kernels()
 from launching import pretrain  # noqa: E402
 from pipeline.common import REPO_ROOT, UserError  # noqa: E402
 from pretrain.model import fp8  # noqa: E402
-from pretrain.model.t5 import build, fp8_bf16_parts, load_config  # noqa: E402
+from pretrain.model.gated_gelu import gated_gelu  # noqa: E402
+from pretrain.model.t5 import GatedGeluFFN, build, fp8_bf16_parts, load_config  # noqa: E402
 
 SMALLEST_NORMAL = {fp8.FORWARD_DTYPE: 2.0 ** -6, fp8.GRAD_DTYPE: 2.0 ** -14}
 
@@ -182,6 +183,104 @@ def test_a_converted_model_trains_and_compiles_to_the_same_loss():
     assert losses[-1] < losses[0] - 0.5, losses
 
 
+def ffn(gated_gelu="triton", dropout_rate=0.0, d_ff=80):
+    config = load_config("t5-tiny", gated_gelu=gated_gelu, dropout_rate=dropout_rate, d_ff=d_ff)
+    module = GatedGeluFFN(config)
+    with torch.no_grad():
+        for linear in (module.wi, module.wo):
+            linear.weight.normal_(0, 0.2, generator=torch.Generator().manual_seed(linear.weight.shape[0]))
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_feed_forward_is_the_linears_and_gate_to_the_bit(dtype):
+    """`fp8_gated_ffn` (the gate kernel hands max |x| of its output and of its gradient to the casts) against
+    fp8_linear, the gate, fp8_linear: the same output and gradients, bit for bit, since a maximum is exact."""
+    module = ffn().to(DEVICE, dtype)
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 24, module.config.d_model, generator=generator).to(DEVICE, dtype)
+    dy = torch.randn(2, 24, module.config.d_model, generator=generator).to(DEVICE, dtype)
+    results = []
+    for fused in (False, True):
+        inputs = [t.detach().clone().requires_grad_() for t in (x, module.wi.weight, module.wo.weight)]
+        if fused:
+            y = fp8.fp8_gated_ffn(*inputs)
+        else:
+            y = fp8.fp8_linear(gated_gelu(fp8.fp8_linear(inputs[0], inputs[1])), inputs[2])
+        y.backward(dy)
+        results.append([y, *(t.grad for t in inputs)])
+    for name, plain, fused in zip(("y", "dx", "dwi", "dwo"), *results):
+        assert fused.dtype == plain.dtype == dtype and torch.equal(fused, plain), name
+
+
+def test_the_fused_feed_forward_ops_fake_kernels_agree_with_the_real_ones():
+    module = ffn()
+    x = torch.randn(2, 8, module.config.d_model, device=DEVICE)
+    args = (x, module.wi.weight.detach(), module.wo.weight.detach(), fp8.amax(x), fp8.amax(module.wi.weight),
+            fp8.amax(module.wo.weight), False)
+    torch.library.opcheck(torch.ops.t5zero.fp8_gated_ffn.default, args, test_utils=("test_faketensor",))
+    saved = torch.ops.t5zero.fp8_gated_ffn.default(*args)[1:]
+    dy = torch.randn_like(x)
+    torch.library.opcheck(torch.ops.t5zero.fp8_gated_ffn_backward.default,
+                          (dy, fp8.amax(dy), *saved, torch.float32, False), test_utils=("test_faketensor",))
+
+
+def test_convert_fuses_the_feed_forwards_on_request_and_they_fall_back_where_the_op_does_not_apply(monkeypatch):
+    """fused_ffn=True makes each feed-forward an Fp8GatedGeluFFN (state dict kept) that calls fp8_gated_ffn with the
+    gate by our kernel, without dropout and where FP8 takes the shapes; otherwise the module runs as before."""
+    model = build(load_config("t5-tiny", gated_gelu="triton"), seed=0).to(DEVICE)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    fp8.convert_to_fp8(model, fused_ffn=True)
+    ffns = [m for m in model.modules() if isinstance(m, GatedGeluFFN)]
+    assert ffns and all(type(m) is fp8.Fp8GatedGeluFFN for m in ffns)
+    assert model.state_dict().keys() == before.keys()
+    assert all(type(m) is GatedGeluFFN for m in build("t5-tiny").modules() if isinstance(m, GatedGeluFFN))
+    calls = []
+    monkeypatch.setattr(fp8, "fp8_gated_ffn", lambda *args: calls.append(1) or torch.zeros(()))
+    x = torch.randn(2, 8, 64, device=DEVICE)
+    cases = {"fused": ({}, True, True), "torch gate": (dict(gated_gelu="torch"), True, False),
+             "dropout, training": (dict(dropout_rate=0.1, attention="sdpa"), True, False),
+             "dropout, eval": (dict(dropout_rate=0.1, attention="sdpa"), False, True),
+             "a width FP8 cannot take": (dict(d_ff=72), True, False)}
+    for case, (settings, training, expected) in cases.items():
+        model = build(load_config("t5-tiny", **{"gated_gelu": "triton", **settings}), seed=0).to(DEVICE)
+        fp8.convert_to_fp8(model, fused_ffn=True)
+        module = model.encoder.blocks[0].ffn.train(training)
+        calls.clear()
+        module(x)
+        assert bool(calls) == expected, case
+
+
+def test_a_model_with_fused_feed_forwards_trains_and_compiles_to_the_unfused_bits(monkeypatch):
+    """t5-tiny converted with and without fused_ffn, eager and compile_regions (aot_eager on the CPU): the same
+    loss and every parameter's gradient (bit for bit on the CPU, where aot_eager runs the same ops)."""
+    calls, real = [], fp8.fp8_gated_ffn
+    monkeypatch.setattr(fp8, "fp8_gated_ffn", lambda *args: calls.append(1) or real(*args))
+    config = load_config("t5-tiny", gated_gelu="triton")
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, config.vocab_size - 100, (4, 32), generator=generator).to(DEVICE)
+    labels = torch.randint(3, config.vocab_size - 100, (4, 16), generator=generator).to(DEVICE)
+    runs = {}
+    for fused, compiled in ((False, False), (True, False), (True, True)):
+        model = build(config, seed=0).to(DEVICE)
+        fp8.convert_to_fp8(model, fused_ffn=fused)
+        if compiled:
+            model.compile_regions(backend="aot_eager" if DEVICE == "cpu" else "inductor")
+        calls.clear()
+        loss = model(input_ids, labels=labels)
+        loss.backward()
+        assert len(calls) == (2 + 2 if fused else 0), (fused, compiled)       # t5-tiny: 2 blocks a stack
+        runs[fused, compiled] = loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+    plain_loss, plain_grads = runs[False, False]
+    for key in ((True, False), (True, True)):
+        loss, grads = runs[key]
+        if DEVICE == "cpu" or not key[1]:
+            assert torch.equal(loss, plain_loss), key
+            assert all(torch.equal(grads[name], plain_grads[name]) for name in plain_grads), key
+        else:              # Inductor's fused norms round differently, and an FP8 rounding may flip with them
+            assert relative_error(loss, plain_loss) < 1e-3, key
+
+
 def test_a_device_without_fp8_is_a_user_error():
     model = build(load_config("t5-tiny"), seed=0)
     with pytest.raises(UserError, match="--precision bf16"):
@@ -250,7 +349,8 @@ def test_pretrain_fp8_end_to_end_on_cpu(tiny_shards, tmp_path, zero, ranks):
     out = tmp_path / "fp8"
     result = pretrain("--model", "t5-tiny", "--steps", "4", "--micro-batch", "4", "--global-batch", "8", "--lr", "3e-3",
                       "--warmup-steps", "1", "--zero", str(zero), "--nproc", str(ranks), "--precision", "fp8",
-                      "--no-save-final", "--steady-skip", "1", "--data", str(tiny_shards), "--out", str(out), timeout=300)
+                      "--no-save-final", "--steady-skip", "1", "--data", str(tiny_shards), "--out", str(out),
+                      timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"ZeRO {zero}, offload none, fp8" in result.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -18,7 +18,7 @@ from tests.pretrain.triton_kernels import DEVICE, relative_error, require_kernel
 require_kernels()
 
 from pipeline.common import UserError  # noqa: E402
-from pretrain.model.gated_gelu import gated_gelu  # noqa: E402
+from pretrain.model.gated_gelu import gated_gelu, launch_backward, launch_forward  # noqa: E402
 from pretrain.model.t5 import build, load_config  # noqa: E402
 from tests.pretrain.test_flex_attention import assert_same_outputs, forward_backward, no_tf32  # noqa: E402,F401
 
@@ -60,6 +60,23 @@ def test_bf16_is_one_rounding_from_the_float64_reference():
         error = (got.detach().double().cpu() - expected).abs()
         assert bool((error <= 2 ** -7 * expected.abs() + 1e-12).all())   # (tanh reaches -1 in float64 first)
         assert relative_error(got, expected) < 2 ** -8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, width", [(37, 300), (64, 256), (1, 7)])    # ragged tiles, whole ones, one row
+def test_the_kernels_hand_over_max_abs_of_what_they_write(dtype, rows, width):
+    """With an amax buffer each kernel writes the same output as without, and max |output| into the buffer: equal to
+    torch's amax of the stored output (what fp8.py's cast would otherwise compute)."""
+    generator = torch.Generator().manual_seed(3)
+    u = (torch.randn(rows, 2 * width, generator=generator) * 2).to(DEVICE, dtype)
+    dout = torch.randn(rows, width, generator=generator).to(DEVICE, dtype)
+    for launch, args, shape in ((launch_forward, (u,), (rows, width)), (launch_backward, (u, dout), (rows, 2 * width))):
+        plain, handed = torch.empty(shape, dtype=dtype, device=DEVICE), torch.empty(shape, dtype=dtype, device=DEVICE)
+        amax = torch.zeros(1, dtype=torch.float32, device=DEVICE)
+        launch(*args, plain)
+        launch(*args, handed, amax)
+        assert torch.equal(plain, handed), launch.__name__
+        assert amax.item() == handed.float().abs().max().item() > 0, launch.__name__
 
 
 def test_the_custom_ops_fake_kernels_and_autograd_agree_with_the_real_ones():
