@@ -130,7 +130,7 @@ def _main(argv: list[str] | None) -> int:
     run's life; a launched rank turns SIGTERM / SIGUSR1 / SIGINT into a checkpoint and exit status 75."""
     from pretrain import preflight
     from pretrain.ranks import SPAWNED_ENV, adopt_slurm_ranks, preemption, rank_env
-    from pretrain.runlock import BYTES_PER_PARAMETER_SAVED, acquire_run_lock, check_free_space
+    from pretrain.runlock import BYTES_PER_PARAMETER_SAVED, acquire_run_lock, check_export_dir, check_free_space
 
     adopt_slurm_ranks()
     env = rank_env()
@@ -141,6 +141,8 @@ def _main(argv: list[str] | None) -> int:
     launching = not spawned and env.is_main      # our parent, or global rank 0 under torchrun / deepspeed / srun
     if not spawned:
         preflight.check_run_dir(config)
+        if config.export_hf:
+            check_export_dir(config.export_hf, keep={"--out": config.out, "--data": config.data})
     local_world_size = env.local_world_size if env.launched else config.nproc
     plan = preflight.run_preflight(config, world_size=env.world_size if env.launched else config.nproc,
                                    local_world_size=local_world_size, announce=env.is_main and not spawned)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -26,6 +27,8 @@ from pipeline.common import UserError, describe_os_error
 
 LOCK_NAME = ".pretrain.lock"
 BYTES_PER_PARAMETER_SAVED = 16     # a checkpoint: weights (4 fp32 / 2 bf16) + fp32 master (4) + Adam moments (8)
+# what transformers' save_pretrained writes for a T5 (one file, or shards and their index past its shard size)
+HF_EXPORT_FILE = re.compile(r"(config|generation_config)\.json|model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
 
 
 def output_dir(path: str | os.PathLike, *, what: str, flag: str = "--out") -> Path:
@@ -46,6 +49,37 @@ def output_dir(path: str | os.PathLike, *, what: str, flag: str = "--out") -> Pa
         raise UserError(f"{path}: cannot write the {what} there ({describe_os_error(err)}); pick another "
                         f"{flag}") from None
     return path
+
+
+def is_hf_export(path: Path) -> bool:
+    """Whether `path` is a directory that `pretrain --export-hf` wrote (config.json and only the files HF's
+    save_pretrained writes): the one kind of existing directory an export may replace."""
+    names = [child.name for child in path.iterdir()]
+    return "config.json" in names and all(HF_EXPORT_FILE.fullmatch(name) for name in names)
+
+
+def check_export_dir(export: str | os.PathLike, *, keep: dict[str, str]) -> None:
+    """--export-hf EXPORT before anything trains: refuse, in one line, a path whose replacement at the end would
+    destroy something, i.e. `keep`'s paths ({flag: path}, e.g. the run directory and the shard set) or a directory
+    around them, the inside of the shard set, an existing file, or a non-empty directory that is not an earlier
+    export; and a place this process cannot write. An empty or missing directory, or an earlier export, is fine."""
+    path = Path(export).resolve()
+    for flag, kept in keep.items():
+        if not kept or "://" in kept:
+            continue
+        kept_path = Path(kept).resolve()
+        if path == kept_path or path in kept_path.parents or (flag == "--data" and kept_path in path.parents):
+            raise UserError(f"{export}: --export-hf would replace or write into {flag} {kept}; pick a directory of "
+                            f"its own, e.g. {Path(kept).parent / 'hf-export'} (nothing was changed)")
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{export}: --export-hf is an existing file; pick a directory (nothing was changed)")
+    if path.is_dir() and any(path.iterdir()) and not is_hf_export(path):
+        raise UserError(f"{export}: --export-hf is a directory holding other files than an HF export, which the "
+                        f"export would replace; pick an empty or new directory (nothing was changed)")
+    parent = next(p for p in (path, *path.parents) if p.exists())
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{export}: --export-hf cannot be written ({parent} is not writable here); pick another "
+                        f"directory")
 
 
 def check_free_space(path: Path, need_bytes: int, *, what: str, flag: str = "--out") -> None:

@@ -6,6 +6,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from pipeline.common import UserError  # noqa: E402
 from pretrain.model.hf import config_from_hf, export_hf, from_hf, hf_config, to_hf, to_hf_names  # noqa: E402
 from pretrain.model.t5 import build, load_config  # noqa: E402
 
@@ -86,6 +87,20 @@ def test_export_dir_loads_with_from_pretrained_and_round_trips(tmp_path):
         assert torch.equal(p, q), name
     export_hf(ours, out)   # replacing an existing export works
     assert (out / "config.json").is_file()
+
+
+def test_an_export_replaces_only_an_empty_directory_or_an_earlier_export(tmp_path):
+    ours = build("t5-tiny", seed=11)
+    (tmp_path / "empty").mkdir()
+    assert (export_hf(ours, tmp_path / "empty") / "model.safetensors").is_file()
+    foreign = tmp_path / "mywork"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("precious\n")
+    (foreign / "config.json").write_text("{}\n")
+    with pytest.raises(UserError, match="not an earlier HF export"):
+        export_hf(ours, foreign)
+    assert sorted(p.name for p in foreign.iterdir()) == ["config.json", "notes.txt"]
+    assert (foreign / "notes.txt").read_text() == "precious\n" and not list(tmp_path.glob(".mywork.*"))
 
 
 def test_preset_configs_map_to_hf_shapes():

@@ -24,7 +24,8 @@ import pytest
 from launching import TRAIN as LAUNCH_TRAIN
 from launching import Launch, child_env, no_process_left
 from pipeline.common import REPO_ROOT, UserError
-from pretrain.runlock import LOCK_NAME, acquire_run_lock, lock_holder, output_dir, wait_until_unlocked
+from pretrain.runlock import (LOCK_NAME, acquire_run_lock, check_export_dir, lock_holder, output_dir,
+                              wait_until_unlocked)
 
 TRAIN = ["--model", "t5-tiny", "--steps", "4", "--micro-batch", "2", "--global-batch", "4"]
 
@@ -120,3 +121,27 @@ def test_outputs_that_cannot_be_used_are_refused_in_one_line(tiny_shards, tmp_pa
     assert a_file.read_text() == "precious\n"
     with pytest.raises(UserError, match="is an existing file"):
         output_dir(a_file, what="run directory")
+
+
+def test_an_export_that_would_replace_what_the_user_has_is_refused_before_anything_trains(tiny_shards, tmp_path,
+                                                                                         tmpfs):
+    """--export-hf replaces its directory at the end of the run: the shard set, the run directory or a directory
+    around it, the inside of the shard set, a file, a directory of other files, or a read-only place are refused
+    in one line before the launch, and each is left as it was."""
+    before = sorted(p.name for p in tiny_shards.iterdir())
+    out = tmp_path / "runs" / "run"
+    a_file = tmp_path / "a-file"
+    a_file.write_text("precious\n")
+    mywork = tmp_path / "mywork"
+    mywork.mkdir()
+    (mywork / "notes.txt").write_text("precious\n")
+    cases = [(tiny_shards, "--data"), (tiny_shards / "hf", "--data"), (out, "--out"), (out.parent, "--out"),
+             (a_file, "is an existing file"), (mywork, "holding other files"),
+             (tmpfs("ro", "ro,size=1m") / "hf", "cannot be written")]
+    for export, needle in cases:
+        one_line_refusal(run("pretrain.cli", *TRAIN, "--data", str(tiny_shards), "--out", str(out), "--export-hf",
+                             str(export)), str(export), needle)
+        assert not (out / "metrics.jsonl").exists()
+    assert sorted(p.name for p in tiny_shards.iterdir()) == before
+    assert a_file.read_text() == (mywork / "notes.txt").read_text() == "precious\n"
+    check_export_dir(out / "hf", keep={"--out": str(out), "--data": str(tiny_shards)})   # its own directory: fine
