@@ -185,7 +185,13 @@ class TrainConfig:
         for name in ("warmup_steps", "save_every", "loader_workers", "steady_skip", "profile_steps", "grad_clip",
                      "weight_decay", "keep_checkpoints", "spike_sigmas", "rollback_after"):
             need(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
+        need(0 < self.lr < float("inf"), f"--lr must be a finite number > 0, got {self.lr}")
+        need(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
+             f"--adam-beta1 and --adam-beta2 must be in [0, 1), got {self.adam_beta1} and {self.adam_beta2}")
+        need(0 < self.adam_eps < float("inf"), f"--adam-eps must be a finite number > 0, got {self.adam_eps}")
+        for name in STAGE3_TUNABLES:
+            need(getattr(self, name) is None or getattr(self, name) >= 0,
+                 f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         need(0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         need(self.stop_after is None or 1 <= self.stop_after,
              f"--stop-after must be >= 1, got {self.stop_after}")

@@ -253,11 +253,14 @@ def _record_restarts(run_dir: Path, restarts: list[dict[str, Any]], failure: str
 
 
 def last_error_line(log_path: Path) -> str:
-    """The line of a rank's log that says why it stopped: our one-line error, else the exception's last line."""
+    """The line of a rank's log that says why it stopped: our one-line error, else the exception's last line
+    (torchrun's `[rankN]:` prefixes dropped; pydantic's closing "For further information visit URL" skipped)."""
     try:
-        lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+        text = log_path.read_text(errors="replace")
     except OSError:
         return "no log"
+    lines = [re.sub(r"^\[rank\d+\]:", "", line).strip() for line in text.splitlines()]
+    lines = [line for line in lines if line and not line.startswith("For further information visit")]
     for line in reversed(lines):
         match = re.match(r"^\S+: error: (.*)$", line)
         if match:

@@ -704,8 +704,9 @@ def final_summary_line(summary: dict[str, Any]) -> str:
     median = summary["median"]
     mfu = f"{100 * median['mfu']:.1f}%" if median.get("mfu") is not None else "n/a"
     share = summary.get("data_wait_share")
+    loss = summary["final_loss"]
     return (f"[done] {summary['status']}: step {summary['steps']}/{summary['total_steps']}, final loss "
-            f"{summary['final_loss']:.4f}; median {median['tokens_per_s'] or 0:,.0f} tok/s, "
+            f"{'not finite' if loss is None else f'{loss:.4f}'}; median {median['tokens_per_s'] or 0:,.0f} tok/s, "
             f"{median['tflops_per_gpu'] or 0:.3f} TFLOP/s per device, MFU {mfu}, data-wait "
             f"{100 * (share or 0):.2f}%, peak mem {summary['peak_mem_gib']:.2f} GiB (estimate "
             f"{summary['memory_estimate']['per_gpu_gib']:.2f} GiB per device), {summary['wall_s']:.0f} s")

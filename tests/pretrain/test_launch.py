@@ -43,7 +43,12 @@ def test_flags_override_yaml_and_yaml_overrides_defaults(tmp_path):
     (["--zero", "2", "--offload", "nvme", "--nvme-path", "/nvme"], "needs --zero 3"),
     (["--zero", "3", "--offload", "nvme"], "--nvme-path"),
     (["--steps", "0"], "--steps must be >= 1"),
-    (["--lr", "-1"], "--lr must be > 0"),
+    (["--lr", "-1"], "--lr must be a finite number > 0"),
+    (["--lr", "inf"], "--lr must be a finite number > 0"),
+    (["--adam-beta1", "1.5"], "--adam-beta1 and --adam-beta2 must be in"),
+    (["--adam-beta2", "-0.1"], "--adam-beta1 and --adam-beta2 must be in"),
+    (["--adam-eps", "0"], "--adam-eps must be a finite number > 0"),
+    (["--zero", "3", "--stage3-prefetch-bucket-size", "-1"], "--stage3-prefetch-bucket-size must be >= 0"),
 ])
 def test_bad_settings_are_refused_with_one_clear_line(argv, message):
     with pytest.raises(UserError, match=message):
@@ -132,6 +137,12 @@ def test_failure_reason_is_the_rank_logs_last_error(tmp_path):
     assert last_error_line(log).startswith("out of memory on rank 1")
     log.write_text("Traceback (most recent call last):\n  File x\nRuntimeError: gloo timeout\n")
     assert last_error_line(log) == "RuntimeError: gloo timeout"
+    log.write_text("[rank0]: Traceback (most recent call last):\n[rank0]:   File x\n[rank0]: pydantic_core._pydantic_core."
+                   "ValidationError: 1 validation error for DeepSpeedZeroConfig\n[rank0]: stage3_max_live_parameters\n"
+                   "[rank0]:   Input should be greater than or equal to 0\n"
+                   "[rank0]:     For further information visit https://errors.pydantic.dev/2.14/v/greater_than_equal\n")
+    assert last_error_line(log) == ("pydantic_core._pydantic_core.ValidationError: 1 validation error for "
+                                    "DeepSpeedZeroConfig")
 
 
 def test_two_node_rendezvous_with_torchrun_on_one_machine(tiny_shards, tmp_path):
@@ -161,3 +172,13 @@ def test_two_node_rendezvous_with_torchrun_on_one_machine(tiny_shards, tmp_path)
     assert all(r["world_size"] == 2 and r["grad_accum"] == 2 and r["zero_stage"] == 1 for r in records)
     config = json.loads((out / "config.json").read_text())
     assert config["world_size"] == 2 and config["deepspeed"]["train_batch_size"] == 16
+
+
+def test_the_closing_line_of_a_run_whose_last_loss_is_not_finite():
+    from pretrain.trainer import final_summary_line
+
+    summary = {"status": "ok", "steps": 2, "total_steps": 2, "steady_steps": 1, "final_loss": None,
+               "median": {"mfu": None, "tokens_per_s": 10.0, "tflops_per_gpu": 0.1}, "data_wait_share": 0.0,
+               "peak_mem_gib": 1.0, "memory_estimate": {"per_gpu_gib": 1.0}, "wall_s": 3.0}
+    assert "final loss not finite;" in final_summary_line(summary)
+    assert "final loss 2.5000;" in final_summary_line({**summary, "final_loss": 2.5})
