@@ -139,8 +139,9 @@ def check_fit(estimate: dict[str, Any], device: dict[str, Any], local_world_size
 
 
 def check_run_dir(config) -> None:
-    """A fresh run refuses a directory that already holds one (metrics or complete checkpoints); a resume refuses
-    one whose steps were logged but never checkpointed (it would restart at step 0 over them)."""
+    """A fresh run refuses a directory that already holds one (logged steps or complete checkpoints; a launch that
+    failed before its first step leaves neither, and its directory is taken again); a resume refuses one whose
+    steps were logged but never checkpointed (it would restart at step 0 over them)."""
     from pretrain.checkpoint import latest_complete
     from pretrain.metrics import read_metrics
 
@@ -149,7 +150,7 @@ def check_run_dir(config) -> None:
         return
     checkpointed = latest_complete(run_dir / "checkpoints")
     if not config.resume:
-        if (run_dir / "metrics.jsonl").is_file() or checkpointed:
+        if read_metrics(run_dir / "metrics.jsonl", events=True) or checkpointed:
             raise UserError(f"{run_dir}: already holds a run (metrics.jsonl / checkpoints); pass --resume to continue "
                             f"it or pick a new --out")
         return
@@ -165,11 +166,11 @@ def check_resume_settings(config, plan: Plan, *, announce: bool = True) -> None:
     this launch's, before anything is built; refuses in one line naming what differs and what may."""
     import json
 
-    from pretrain.checkpoint import resume_differences, resume_refusal
+    from pretrain.checkpoint import latest_complete, resume_differences, resume_refusal
 
     saved_path = Path(config.out) / "config.json"
-    if not config.resume or not saved_path.is_file():
-        return
+    if not config.resume or not saved_path.is_file() or not latest_complete(Path(config.out) / "checkpoints"):
+        return          # nothing to resume from: the run starts at step 0, whatever the launch before had set
     try:
         saved = json.loads(saved_path.read_text())
     except (OSError, ValueError) as err:

@@ -141,6 +141,21 @@ def test_activation_estimate_matches_the_measured_h200_peaks():
     assert activations(64) + 9.2 == pytest.approx(63.2, rel=0.05)   # the eager model
 
 
+def test_a_directory_left_by_a_launch_that_failed_before_its_first_step_is_taken_again(tiny_shards, tmp_path):
+    """No step logged and no checkpoint (the ranks failed at start-up): a fresh launch may use the directory, and a
+    --resume with other settings than the failed launch's config.json is not refused, there being nothing to
+    resume (the run starts at step 0)."""
+    from pretrain.preflight import check_run_dir
+
+    left = tmp_path / "left"
+    left.mkdir()
+    (left / "metrics.jsonl").write_text("")
+    (left / "config.json").write_text(json.dumps({"train": {"lr": 0.25, "seed": 7}, "global_batch": 8}))
+    check_run_dir(config_for(tiny_shards, left))
+    for extra in ([], ["--resume"]):
+        run_preflight(config_for(tiny_shards, left, *extra), world_size=2, local_world_size=2, announce=False)
+
+
 def test_run_dir_and_batch_checks(tiny_shards, tmp_path, capsys):
     used = tmp_path / "used"
     used.mkdir()
