@@ -146,8 +146,14 @@ def check_run_dir(config) -> None:
     from pretrain.metrics import read_metrics
 
     run_dir = Path(config.out)
+    data = Path(config.data).resolve() if config.data and "://" not in config.data else None
+    if data is not None and (run_dir.resolve() == data or data in run_dir.resolve().parents):
+        raise UserError(f"{run_dir}: --out is or lies inside --data {config.data}; the run's files would mix with "
+                        f"the data; pick a directory of its own")
     if not run_dir.exists():
         return
+    if (run_dir / "manifest.json").is_file():
+        raise UserError(f"{run_dir}: --out holds a manifest.json (a shard set's); pick a directory of its own")
     checkpointed = latest_complete(run_dir / "checkpoints")
     if not config.resume:
         if read_metrics(run_dir / "metrics.jsonl", events=True) or checkpointed:

@@ -161,6 +161,12 @@ def test_run_dir_and_batch_checks(tiny_shards, tmp_path, capsys):
     used.mkdir()
     (used / "metrics.jsonl").write_text("{}\n")
     assert "already holds a run" in refused(capsys, tiny_shards, used)
+    for out in (tiny_shards, tiny_shards / "run"):
+        assert "--out is or lies inside --data" in refused(capsys, tiny_shards, out)
+    other_set = tmp_path / "other-set"
+    other_set.mkdir()
+    (other_set / "manifest.json").write_text("{}\n")
+    assert "holds a manifest.json" in refused(capsys, tiny_shards, other_set)
     assert "fewer than one global batch" in refused(capsys, tiny_shards, tmp_path / "big", "--global-batch", "4096",
                                                     "--micro-batch", "2048")
     with pytest.raises(UserError, match="not a multiple"):
