@@ -189,6 +189,9 @@ class TrainConfig:
         need(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
              f"--adam-beta1 and --adam-beta2 must be in [0, 1), got {self.adam_beta1} and {self.adam_beta2}")
         need(0 < self.adam_eps < float("inf"), f"--adam-eps must be a finite number > 0, got {self.adam_eps}")
+        for name in ("input_length", "target_length", "peak_tflops"):
+            need(getattr(self, name) is None or getattr(self, name) > 0,
+                 f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         for name in STAGE3_TUNABLES:
             need(getattr(self, name) is None or getattr(self, name) >= 0,
                  f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")

@@ -49,6 +49,8 @@ def test_flags_override_yaml_and_yaml_overrides_defaults(tmp_path):
     (["--adam-beta2", "-0.1"], "--adam-beta1 and --adam-beta2 must be in"),
     (["--adam-eps", "0"], "--adam-eps must be a finite number > 0"),
     (["--zero", "3", "--stage3-prefetch-bucket-size", "-1"], "--stage3-prefetch-bucket-size must be >= 0"),
+    (["--input-length", "-1"], "--input-length must be > 0"),
+    (["--peak-tflops", "0"], "--peak-tflops must be > 0"),
 ])
 def test_bad_settings_are_refused_with_one_clear_line(argv, message):
     with pytest.raises(UserError, match=message):
