@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +43,8 @@ class TrainConfig:
     """Everything one `pretrain` run needs; saved resolved as RUN_DIR/config.json["train"]."""
 
     model: str = setting("t5-tiny", "model preset (configs/models/*.yaml), e.g. t5-tiny, mt5-base")
-    data: str = setting("", "shard set written by `prep corpus` (directory or URL)")
-    out: str = setting("", "run directory (config.json, metrics.jsonl, checkpoints/, tb/, summary.json)")
+    data: str = setting("", "shard set written by `prep corpus` (directory or URL) (required)")
+    out: str = setting("", "run directory (config.json, metrics.jsonl, checkpoints/, tb/, summary.json) (required)")
     zero: int = setting(2, "ZeRO stage", choices=ZERO_STAGES)
     offload: str = setting("none", "offload optimizer state (and params at stage 3) to cpu or nvme",
                            choices=OFFLOADS)
@@ -178,6 +179,8 @@ class TrainConfig:
              "--offload nvme needs --zero 3 (ZeRO-Infinity); use --offload cpu at stages 1-2")
         need(self.offload != "nvme" or bool(self.nvme_path),
              "--offload nvme needs --nvme-path DIR (a directory on a fast local NVMe drive)")
+        need(not self.nvme_path or not os.path.exists(self.nvme_path) or os.path.isdir(self.nvme_path),
+             f"--nvme-path {self.nvme_path} is a file; it must be a directory (on a fast local NVMe drive)")
         need(self.zero == 3 or all(getattr(self, name) is None for name in STAGE3_TUNABLES),
              "the --stage3-* tunables apply to --zero 3 only; drop them or use --zero 3")
         for name in ("steps", "micro_batch", "nproc", "log_every", "prefetch_factor"):

@@ -209,12 +209,12 @@ def load_config(preset: str, **overrides) -> T5Config:
     if not isinstance(values, dict):
         raise UserError(f"{path}: expected a mapping of T5Config fields, got {type(values).__name__}")
     values.setdefault("name", path.stem)
-    values.update(overrides)
     known = {f.name for f in dataclasses.fields(T5Config)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise UserError(f"{path}: unknown model field(s) {unknown}; known fields: {sorted(known)}")
-    return T5Config(**values)
+    for where, given in ((str(path), values), ("model_overrides", overrides)):
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise UserError(f"{where}: unknown model field(s) {unknown}; known fields: {sorted(known)}")
+    return T5Config(**{**values, **overrides})
 
 
 # ---------------------------------------------------------------------------------------------- layers

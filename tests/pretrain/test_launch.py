@@ -57,6 +57,13 @@ def test_bad_settings_are_refused_with_one_clear_line(argv, message):
         resolve_config(BASE + argv)
 
 
+def test_an_nvme_path_that_is_a_file_is_refused(tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    with pytest.raises(UserError, match="is a file; it must be a directory"):
+        resolve_config(BASE + ["--zero", "3", "--offload", "nvme", "--nvme-path", str(a_file)])
+
+
 def test_yaml_with_unknown_keys_is_refused(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("zero: 2\nmicro_bacth: 4\n")

@@ -46,7 +46,7 @@ def test_presets_are_all_there_and_validate():
 
 @pytest.mark.parametrize("call, message", [
     (lambda: load_config("no-such-model"), "not found"),
-    (lambda: load_config("t5-tiny", d_modle=3), "unknown model field"),
+    (lambda: load_config("t5-tiny", d_modle=3), r"model_overrides: unknown model field\(s\) \[.d_modle.\]"),
     (lambda: load_config("t5-tiny", num_heads=0), "num_heads must be a positive integer"),
     (lambda: load_config("t5-tiny", dropout_rate=1.5), "dropout_rate"),
     (lambda: load_config("t5-tiny", relative_attention_num_buckets=31), "even"),
