@@ -230,7 +230,8 @@ class OnlineLoader(LoaderProcesses):
                     empty_in_a_row = empty_in_a_row + 1 if len(inputs) == 0 else 0
                     if empty_in_a_row >= self.order.per_epoch:
                         raise UserError(f"{self.source.origin}: a whole epoch of this rank's work units gave no "
-                                        f"example of {self.source.input_length} tokens; use a shorter "
+                                        f"example of {self.source.input_length} tokens; check that the records hold "
+                                        f"their text in --text-field {self.source.text_field!r}, or use a shorter "
                                         f"--input-length or more text")
                     continue
                 take = min(need, len(inputs) - self.offset)
