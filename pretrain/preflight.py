@@ -172,11 +172,16 @@ def check_resume_settings(config, plan: Plan, *, announce: bool = True) -> None:
     this launch's, before anything is built; refuses in one line naming what differs and what may."""
     import json
 
-    from pretrain.checkpoint import latest_complete, resume_differences, resume_refusal
+    from pretrain.checkpoint import latest_complete, resume_differences, resume_refusal, step_of
 
     saved_path = Path(config.out) / "config.json"
-    if not config.resume or not saved_path.is_file() or not latest_complete(Path(config.out) / "checkpoints"):
+    newest = latest_complete(Path(config.out) / "checkpoints") if config.resume else None
+    if not config.resume or not saved_path.is_file() or not newest:
         return          # nothing to resume from: the run starts at step 0, whatever the launch before had set
+    if config.steps < step_of(newest):
+        raise UserError(f"{config.out}: --steps {config.steps} is below step {step_of(newest)}, where the newest "
+                        f"checkpoint ({newest}) stands; a resume cannot go back: give --steps >= {step_of(newest)} "
+                        f"or pick a new --out")
     try:
         saved = json.loads(saved_path.read_text())
     except (OSError, ValueError) as err:

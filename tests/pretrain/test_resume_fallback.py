@@ -81,6 +81,9 @@ def test_resume_refuses_other_settings_naming_them(base, tiny_shards):
     assert "zero 2 -> 3" in line and "steps 6 -> 9" in line and "never" in line
     line = one_line_error(launch(tiny_shards, base, "--zero", "2", "--nproc", "1", "--resume", "--lr", "1e-3"))
     assert "lr 0.003 -> 0.001" in line and "--resume-allow" in line
+    line = one_line_error(launch(tiny_shards, base, "--zero", "2", "--nproc", "1", "--resume", "--steps", "4",
+                                 "--resume-allow", "steps"))
+    assert "--steps 4 is below step 6" in line and "cannot go back" in line
     assert (base / "metrics.jsonl").read_bytes() == before
 
 
