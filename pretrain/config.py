@@ -265,10 +265,10 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                         help="YAML file whose keys are these flags' names, with - or _ (flags win)")
     add_flags(parser, TrainConfig)
     shorthand = parser.add_mutually_exclusive_group()
-    shorthand.add_argument("--bf16", dest="precision", action="store_const", const="bf16", default=argparse.SUPPRESS,
-                           help="--precision bf16 (the default on GPU)")
-    shorthand.add_argument("--fp32", dest="precision", action="store_const", const="fp32", default=argparse.SUPPRESS,
-                           help="--precision fp32 (the default on CPU)")
+    shorthand.add_argument("--bf16", dest="precision_shorthand", action="store_const", const="bf16",
+                           default=argparse.SUPPRESS, help="--precision bf16 (the default on GPU)")
+    shorthand.add_argument("--fp32", dest="precision_shorthand", action="store_const", const="fp32",
+                           default=argparse.SUPPRESS, help="--precision fp32 (the default on CPU)")
 
 
 def config_from_values(values: dict[str, Any], *, where: str) -> TrainConfig:
@@ -281,6 +281,12 @@ def config_from_values(values: dict[str, Any], *, where: str) -> TrainConfig:
 def resolve_flags(flags: dict[str, Any]) -> TrainConfig:
     """Parsed flags (a `--config` path among them, maybe) over the YAML file over the field defaults."""
     where = str(flags.get("config", "the command line"))
+    if "precision_shorthand" in flags:
+        flags = dict(flags)
+        shorthand = flags.pop("precision_shorthand")
+        if flags.get("precision", shorthand) != shorthand:
+            raise UserError(f"--{shorthand} and --precision {flags['precision']} say different things; give one")
+        flags["precision"] = shorthand
     values = merged_settings(TrainConfig, flags, command="pretrain", extra_keys=("config", "bf16", "fp32"))
     values.pop("config", None)
     return config_from_values(values, where=where)

@@ -50,6 +50,7 @@ def test_flags_override_yaml_and_yaml_overrides_defaults(tmp_path):
     (["--adam-eps", "0"], "--adam-eps must be a finite number > 0"),
     (["--zero", "3", "--stage3-prefetch-bucket-size", "-1"], "--stage3-prefetch-bucket-size must be >= 0"),
     (["--input-length", "-1"], "--input-length must be > 0"),
+    (["--precision", "bf16", "--fp32"], "--fp32 and --precision bf16 say different things"),
     (["--peak-tflops", "0"], "--peak-tflops must be > 0"),
 ])
 def test_bad_settings_are_refused_with_one_clear_line(argv, message):
