@@ -20,14 +20,26 @@ from pipeline.common import UserError
 MAX_SENTINELS = 100
 T5_NOISE_DENSITY = 0.15  # the defaults of T5's span corruption (and of `prep corpus`)
 T5_MEAN_NOISE_SPAN_LENGTH = 3.0
+MAX_RAW_PER_INPUT = 64  # a raw window longer than this many input lengths is refused (a density near 1)
+MAX_NOISE_DENSITY = 0.98  # keeps any raw window under the cap: inputs >= raw * (1 - density) + 1.5 tokens
+
+
+def _noise_counts(raw_length: int, noise_density: float, mean_noise_span_length: float) -> tuple[int, int]:
+    """(noise tokens, noise spans) of a raw window: round(raw * density) tokens in round(noise / mean) spans, clamped
+    as T5's `random_spans_noise_mask` clamps them (at least one noise token, one kept token and one span)."""
+    num_noise_tokens = min(max(int(round(raw_length * noise_density)), 1), raw_length - 1)
+    num_noise_spans = max(int(round(num_noise_tokens / mean_noise_span_length)), 1)
+    return num_noise_tokens, num_noise_spans
 
 
 def _lengths_after_corruption(raw_length: int, noise_density: float, mean_noise_span_length: float) -> tuple[int, int]:
-    """(inputs length, targets length) that a raw window of `raw_length` tokens becomes, `</s>` included."""
-    num_noise_tokens = int(round(raw_length * noise_density))
-    num_nonnoise_tokens = raw_length - num_noise_tokens
-    num_noise_spans = int(round(num_noise_tokens / mean_noise_span_length))
-    return num_nonnoise_tokens + num_noise_spans + 1, num_noise_tokens + num_noise_spans + 1
+    """(inputs length, targets length) that a raw window of `raw_length` tokens becomes, `</s>` included.
+
+    From the clamped counts the mask is drawn with: T5's `random_spans_helper` uses the unclamped ones, which differ
+    where a clamp binds (a mean span longer than the noise, a density that rounds to no noise token) and then give
+    lengths the examples do not have. Where no clamp binds (T5's settings) both give the same lengths."""
+    num_noise_tokens, num_noise_spans = _noise_counts(raw_length, noise_density, mean_noise_span_length)
+    return raw_length - num_noise_tokens + num_noise_spans + 1, num_noise_tokens + num_noise_spans + 1
 
 
 @dataclass(frozen=True)
@@ -55,17 +67,29 @@ class SpanSpec:
         if mean_noise_span_length < 1.0:
             raise UserError(f"--mean-span-length {mean_noise_span_length} must be >= 1 "
                             f"(T5 uses {T5_MEAN_NOISE_SPAN_LENGTH})")
+        # The inputs length never shrinks as the raw window grows (a token more adds 0 or 1 noise tokens, and a noise
+        # token more adds 0 or 1 spans), so T5's loop `while inputs(raw + 1) <= input_length: raw += 1` ends at the
+        # largest raw length that fits, found here by bisection between input_length - 1 (which always fits: a span
+        # has a noise token) and a cap (refused when it fits: a density near 1 makes windows without end).
+        def fits(raw: int) -> bool:
+            return _lengths_after_corruption(raw, noise_density, mean_noise_span_length)[0] <= input_length
+
+        too_long = MAX_RAW_PER_INPUT * input_length
+        if fits(too_long):
+            raise UserError(f"--noise-density {noise_density} keeps so few tokens that a raw window would exceed "
+                            f"{MAX_RAW_PER_INPUT} x --input-length; use --noise-density {MAX_NOISE_DENSITY} or less "
+                            f"(T5 uses {T5_NOISE_DENSITY})")
         raw_length = input_length - 1
-        while _lengths_after_corruption(raw_length + 1, noise_density, mean_noise_span_length)[0] <= input_length:
-            raw_length += 1
+        while too_long - raw_length > 1:
+            middle = (raw_length + too_long) // 2
+            raw_length, too_long = (middle, too_long) if fits(middle) else (raw_length, middle)
         corrupted_input_length, target_length = _lengths_after_corruption(
             raw_length, noise_density, mean_noise_span_length)
         if noise_density == 0.5 and target_length > corrupted_input_length:  # T5's nudge towards equal lengths
             raw_length -= 1
             corrupted_input_length, target_length = _lengths_after_corruption(
                 raw_length, noise_density, mean_noise_span_length)
-        num_noise_tokens = min(max(int(round(raw_length * noise_density)), 1), raw_length - 1)
-        num_noise_spans = max(int(round(num_noise_tokens / mean_noise_span_length)), 1)
+        num_noise_tokens, num_noise_spans = _noise_counts(raw_length, noise_density, mean_noise_span_length)
         if num_noise_spans > MAX_SENTINELS:
             raise UserError(f"input length {input_length} with noise density {noise_density} and mean span "
                             f"{mean_noise_span_length} needs {num_noise_spans} sentinels per example, more than "

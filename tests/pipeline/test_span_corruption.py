@@ -83,7 +83,46 @@ def test_empty_batch_and_wrong_width():
                      eos_id=EOS)
 
 
-@pytest.mark.parametrize("args", [(2, 0.15, 3.0), (512, 0.0, 3.0), (512, 1.0, 3.0), (512, 0.15, 0.5), (4096, 0.15, 3.0)])
+@pytest.mark.parametrize("args", [(2, 0.15, 3.0), (512, 0.0, 3.0), (512, 1.0, 3.0), (512, 0.15, 0.5), (4096, 0.15, 3.0),
+                                  (128, 0.99, 1e6)])
 def test_bad_settings_are_user_errors(args):
     with pytest.raises(UserError):
         SpanSpec.derive(*args)
+
+
+def test_settings_where_the_counts_are_clamped_make_examples_of_the_derived_lengths():
+    """A mean span longer than the noise (60 .. 200 at input 128) or a density that rounds to no noise token: the
+    mask has at least one noise token in at least one span, and the lengths now count those (they crashed prep
+    corpus inside Ray with an IndexError or a broadcast error)."""
+    for args in [(128, 0.15, 60), (128, 0.15, 100), (128, 0.15, 141), (128, 0.15, 200), (128, 0.001, 3.0)]:
+        spec = SpanSpec.derive(*args)
+        assert spec.num_noise_spans == 1 and spec.corrupted_input_length <= 128
+        windows = _windows(spec, rows=20)
+        inputs, labels = span_corrupt(windows, np.random.default_rng(0), spec, sentinel_first_id=SENTINEL_FIRST,
+                                      eos_id=EOS)
+        assert inputs.shape == (20, 128) and labels.shape == (20, spec.target_length)
+        for window, rebuilt in zip(windows, reconstruct(inputs, labels, sentinel_first_id=SENTINEL_FIRST,
+                                                        eos_id=EOS)):
+            np.testing.assert_array_equal(rebuilt, window)
+
+
+def test_every_accepted_setting_works_and_every_other_is_refused_in_one_line():
+    """A grid of lengths, densities and mean spans, extremes included: derive either refuses with a UserError that
+    names an option, or the examples have exactly the lengths it derived and rebuild their windows."""
+    accepted = 0
+    for input_length in (4, 5, 16, 37, 128, 512, 2048):
+        for noise_density in (0.001, 0.05, 0.15, 0.5, 0.9, 0.98):
+            for mean_span in (1.0, 1.5, 3.0, 8.0, 100.0, 1e6):
+                try:
+                    spec = SpanSpec.derive(input_length, noise_density, mean_span)
+                except UserError as err:
+                    assert "--" in str(err) and "\n" not in str(err), str(err)
+                    continue
+                accepted += 1
+                windows = _windows(spec, rows=3)
+                inputs, labels = span_corrupt(windows, np.random.default_rng(1), spec,
+                                              sentinel_first_id=SENTINEL_FIRST, eos_id=EOS)
+                assert inputs.shape == (3, input_length) and labels.shape == (3, spec.target_length)
+                rebuilt = reconstruct(inputs, labels, sentinel_first_id=SENTINEL_FIRST, eos_id=EOS)
+                assert all((a == b).all() for a, b in zip(rebuilt, windows)), (input_length, noise_density, mean_span)
+    assert accepted > 150

@@ -63,6 +63,19 @@ def test_online_examples_obey_span_corruption(corpus_source):
     assert int(labels.max()) < info["vocab_size"] and int(inputs.min()) >= 0
 
 
+def test_a_mean_span_longer_than_the_noise_makes_batches_of_the_derived_lengths(sample_corpus, tiny_tokenizer):
+    """`pretrain --loader online --input-length 128 --mean-span-length 100` (and a density that rounds to no noise):
+    one span per window, of the lengths SpanSpec derives; the lengths came from unclamped counts before, and the
+    workers died with an IndexError or a broadcast error."""
+    for density, mean_span in ((0.15, 100.0), (0.001, 3.0)):
+        source = online_source(str(sample_corpus), tokenizer=str(tiny_tokenizer), input_length=TINY_INPUT_LENGTH,
+                               noise_density=density, mean_span_length=mean_span, unit_bytes=TINY_UNIT_BYTES)
+        with OnlineLoader(source, micro_batch_size=4, global_batch_size=4, seed=0) as loader:
+            inputs, labels = take(loader, 2)
+        assert inputs.shape == (8, TINY_INPUT_LENGTH) and labels.shape == (8, source.target_length)
+        assert (labels >= source.tokenizer["sentinel_last_id"]).sum(1).tolist() == [1] * 8
+
+
 def test_micro_batches_inside_a_unit_are_views_not_copies(corpus_source):
     """The training process copies nothing for a micro-batch inside one unit: contiguous int64 row slices of the
     unit's tensors (which the DataLoader pins on GPUs). Joining two units' rows is the only copy, once per unit.
