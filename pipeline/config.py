@@ -29,6 +29,7 @@ def max_doc_chars_setting():
 
 
 def require_at_least(flag: str, value: int, minimum: int) -> None:
+    """Refuse `flag` below `minimum` before anything is read or written (a bad value would fail later, inside Ray)."""
     if value < minimum:
         raise UserError(f"{flag} {value} must be >= {minimum}")
 
@@ -61,6 +62,7 @@ class CorpusConfig:
             require_at_least("--shard-rows", self.shard_rows, 1)
         require_at_least("--max-doc-chars", self.max_doc_chars, 1)
         require_at_least("--workers", self.workers, 1)
+        require_at_least("--seed", self.seed, 0)  # numpy seeds the span masks with (seed, unit): no negative seed
         if self.unit_bytes < MIN_UNIT_BYTES:
             raise UserError(f"--unit-bytes {self.unit_bytes} is too small; use at least {MIN_UNIT_BYTES} "
                             f"(default 4 MiB)")

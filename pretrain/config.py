@@ -198,6 +198,7 @@ class TrainConfig:
         for name in STAGE3_TUNABLES:
             need(getattr(self, name) is None or getattr(self, name) >= 0,
                  f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        need(0 <= self.seed < 2**64, f"--seed must be >= 0 and < 2**64 (numpy and torch seeds), got {self.seed}")
         need(0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         need(self.stop_after is None or 1 <= self.stop_after,
              f"--stop-after must be >= 1, got {self.stop_after}")

@@ -52,6 +52,8 @@ def test_flags_override_yaml_and_yaml_overrides_defaults(tmp_path):
     (["--input-length", "-1"], "--input-length must be > 0"),
     (["--precision", "bf16", "--fp32"], "--fp32 and --precision bf16 say different things"),
     (["--peak-tflops", "0"], "--peak-tflops must be > 0"),
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--seed", str(2**64)], "--seed must be >= 0 and < 2"),
 ])
 def test_bad_settings_are_refused_with_one_clear_line(argv, message):
     with pytest.raises(UserError, match=message):
