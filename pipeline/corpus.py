@@ -9,13 +9,17 @@ count, cluster shape or timing. A unit is done when `units/UUUUU.json` exists (w
 `manifest.json` is written last.
 
 `--out` must be new, empty, or a shard set this tool wrote (its `.t5zero-shards` marker, written first, or a
-valid manifest); `--overwrite` removes only this tool's own files there (manifest, unit records, shards, temp
-files) and says what it removes first. A job that yields no example stops with a `UserError` that says why.
+valid manifest); `--overwrite` makes the new set beside the old one (in `--out/.next/`), and only once it is complete
+removes this tool's own files of the old one (manifest, unit records, shards, temp files), saying what it removes
+first, and moves the new one in: a job that fails (a corrupt input, a full disk, a signal) leaves the old set whole.
+A job that yields no example stops with a `UserError` that says why.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
 import sys
 import time
@@ -34,6 +38,7 @@ from pipeline.span_corruption import SpanSpec
 from pipeline.steps import ShardWriter, tokenizer_errors_as_user_errors, unit_examples
 
 TOOL_VERSION = "0.1.0"  # the manifest's tool_version
+STAGING_DIR = ".next"  # --overwrite makes the new set here, beside the old one, and moves it in once it is complete
 OWN_FILES = {DATA_DIR: re.compile(r"part-\d{5}-\d{4}\.arrow|\.part-\d{5}-\d{4}\.arrow\.\d+\.tmp"),
              UNITS_DIR: re.compile(r"\d{5}\.json|\.\d{5}\.json\.\w+\.tmp")}  # the only names --overwrite removes
 
@@ -210,15 +215,53 @@ def _remove_temp_files(out_dir: Path) -> None:
             path.unlink(missing_ok=True)
 
 
+def _make_dirs(out_dir: Path) -> None:
+    """data/ and units/ (for the shards and unit records), without the temp files of a job cut short."""
+    (out_dir / DATA_DIR).mkdir(parents=True, exist_ok=True)
+    (out_dir / UNITS_DIR).mkdir(parents=True, exist_ok=True)
+    _remove_temp_files(out_dir)
+
+
 def _claim(out_dir: Path) -> None:
     """Make --out a shard set of ours: the directories and the marker, written before any shard."""
     with writing(out_dir, fix="choose a writable --out with free space"):
-        (out_dir / DATA_DIR).mkdir(parents=True, exist_ok=True)
-        (out_dir / UNITS_DIR).mkdir(parents=True, exist_ok=True)
+        _make_dirs(out_dir)
         if not (out_dir / MARKER_NAME).is_file():
             atomic_write_json(out_dir / MARKER_NAME, {"written_by": "t5zero prep corpus", "tool_version": TOOL_VERSION,
                                                       "note": "prep corpus --overwrite removes only its own files here"})
-        _remove_temp_files(out_dir)
+
+
+def _move_in(staging: Path, out_dir: Path, records: list[dict]) -> None:
+    """Move finished units from the staging directory into --out: each unit's shards, then its record (so a unit
+    whose record is in --out is whole there; one cut short stays in staging, or runs again)."""
+    for record in records:
+        for shard in record["shards"]:
+            os.replace(staging / shard["path"], out_dir / shard["path"])
+        unit_id = record["unit"]["unit_id"]
+        os.replace(unit_record_path(staging, unit_id), unit_record_path(out_dir, unit_id))
+
+
+def _remove_staging(staging: Path) -> None:
+    """The staging directory's own files, then the directory (a file there that is not ours keeps it)."""
+    for path in own_files(staging):
+        path.unlink(missing_ok=True)
+    for directory in (staging / DATA_DIR, staging / UNITS_DIR, staging):
+        try:
+            directory.rmdir()
+        except OSError:
+            pass
+
+
+def _finish_staged_units(job: CorpusJob, units: list[WorkUnit]) -> None:
+    """A job without another set in --out, after an --overwrite cut short while it moved the new set in: the units
+    still in the staging directory whole are moved in (the rest run again in --out), and the directory goes."""
+    staging = Path(job.out) / STAGING_DIR
+    if not staging.is_dir():
+        return
+    staged = dataclasses.replace(job, out=str(staging))
+    with writing(job.out, fix="make --out writable so that prep can finish it, or choose another --out"):
+        _move_in(staging, Path(job.out), [r for u in units if (r := completed_record(staged, u)) is not None])
+        _remove_staging(staging)
 
 
 @dataclass
@@ -233,18 +276,20 @@ class CorpusResult:
 
 
 def build_shards(config: CorpusConfig, run_units: Callable = run_units_on_ray) -> CorpusResult:
-    """Plan, skip what is done, run the rest with `run_units` (Ray), write the manifest last."""
+    """Plan, skip what is done, run the rest with `run_units` (Ray), write the manifest last.
+
+    With --overwrite over another set, the units run in `--out/.next/` and the old set is removed only when every
+    unit there is done: everything that can fail (an input, the disk, Ray, a signal) fails while the old set is
+    still whole, and the same command resumes. It needs room for both sets until then."""
     started = time.perf_counter()
     job, units = plan_job(config)
     out_dir = Path(job.out)
     others = _existing_fingerprints(out_dir) - {job.fingerprint}
-    if others:
-        if not config.overwrite:
-            raise UserError(f"{out_dir}: holds a different shard set (fingerprint {sorted(others)[0][:12]}..., "
-                            f"this job {job.fingerprint[:12]}...); pass --overwrite to replace it or choose another "
-                            f"--out")
-        _clear_shard_set(out_dir, others)
-    elif (out_dir / MANIFEST_NAME).is_file():
+    if others and not config.overwrite:
+        raise UserError(f"{out_dir}: holds a different shard set (fingerprint {sorted(others)[0][:12]}..., "
+                        f"this job {job.fingerprint[:12]}...); pass --overwrite to replace it or choose another "
+                        f"--out")
+    if not others and (out_dir / MANIFEST_NAME).is_file():
         manifest = read_manifest(out_dir)
         if all(_shard_ok(out_dir, s) for s in manifest["shards"]):  # done: nothing is written (a read-only set too)
             return CorpusResult(manifest, out_dir, len(units), 0, time.perf_counter() - started,
@@ -254,25 +299,41 @@ def build_shards(config: CorpusConfig, run_units: Callable = run_units_on_ray) -
     if config.ray_address:
         check_ray_address(config.ray_address)  # before anything is written
     _claim(out_dir)
+    staging = out_dir / STAGING_DIR
+    if others:
+        print(f"prep corpus --overwrite: making the new shard set in {staging}; the shard set "
+              f"{sorted(others)[0][:12]}... in {out_dir} stays until it is complete", file=sys.stderr, flush=True)
+        with writing(staging, fix="choose a writable --out with free space"):
+            _make_dirs(staging)
+    else:
+        _finish_staged_units(job, units)
+    build_job = dataclasses.replace(job, out=str(staging)) if others else job
 
     records: dict[int, dict] = {}
     todo: list[WorkUnit] = []
     for unit in units:
-        record = completed_record(job, unit)
+        record = completed_record(build_job, unit)
         if record is None:
             todo.append(unit)
         else:
             records[unit.unit_id] = record
     if todo:
-        for record in run_units(process_unit, job, todo, workers=config.workers, address=config.ray_address,
+        for record in run_units(process_unit, build_job, todo, workers=config.workers, address=config.ray_address,
                                 progress=not config.quiet,
                                 skipped_bytes=sum(u.bytes for u in units) - sum(u.bytes for u in todo)):
             records[record["unit"]["unit_id"]] = record
     manifest = assemble_manifest(job, [records[u.unit_id] for u in units])
     if manifest["totals"]["examples"] == 0:
         for unit in units:  # nothing to keep: leave --out as an empty shard set of ours, not a half-made one
-            unit_record_path(out_dir, unit.unit_id).unlink(missing_ok=True)
+            unit_record_path(build_job.out, unit.unit_id).unlink(missing_ok=True)
+        if others:
+            _remove_staging(staging)
         raise UserError(no_examples_message(job, manifest))
+    if others:  # the new set is complete beside the old one: now the old one goes and the new one moves in
+        _clear_shard_set(out_dir, others)
+        with writing(out_dir, fix="make --out writable, then rerun the same command to finish the move"):
+            _move_in(staging, out_dir, [records[u.unit_id] for u in units])
+            _remove_staging(staging)
     with writing(out_dir / MANIFEST_NAME, fix="free some space or choose another --out; a rerun resumes"):
         write_manifest(out_dir, manifest)
     return CorpusResult(manifest, out_dir, len(units), len(todo), time.perf_counter() - started,

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.cli import main
-from pipeline.common import REPO_ROOT
+from pipeline.common import REPO_ROOT, UserError
 from pipeline.shard_format import MARKER_NAME, read_manifest
 
 TINY = ["--input-length", "128", "--unit-bytes", "100000", "--shard-rows", "100", "--workers", "2", "--quiet"]
@@ -97,6 +97,76 @@ def test_overwrite_removes_only_prep_files_and_says_so_first(tiny_shards, tiny_p
     new = read_manifest(out)
     assert new["config"]["seed"] == 1 and new["fingerprint"] != old["fingerprint"]
     assert {p.name for p in (out / "data").iterdir()} == {Path(s["path"]).name for s in new["shards"]} | {"mine.arrow"}
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--seed", "-1"], "--seed -1 must be >= 0"),
+    (["--noise-density", "0.99", "--mean-span-length", "1000"], "use --noise-density 0.98 or less"),
+    (["--input-length", "4096", "--mean-span-length", "1"], "sentinels per example"),
+    (["--unit-bytes", "10"], "--unit-bytes 10 is too small"),
+])
+def test_a_bad_option_with_overwrite_is_refused_before_the_old_set_is_touched(extra, needle, tiny_shards, sample_corpus,
+                                                                             tiny_tokenizer, tmp_path, capsys):
+    """`--overwrite --seed -1` removed the old set and then crashed inside Ray: every option is checked first."""
+    out = tmp_path / "set"
+    shutil.copytree(tiny_shards, out)
+    before = tree(out)
+    refused(corpus_argv([sample_corpus], tiny_tokenizer, out, "--overwrite", *extra), capsys, needle)
+    assert tree(out) == before
+
+
+def without_staging(path: Path) -> dict[str, bytes]:
+    return {name: data for name, data in tree(path).items() if not name.startswith(".next/")}
+
+
+def test_an_overwrite_that_fails_leaves_the_old_set_whole_and_a_rerun_finishes_it(tiny_shards, tiny_prep, tmp_path,
+                                                                                   ray_once, capsys):
+    """The new set is made beside the old one (--out/.next/): a corrupt input found inside Ray, after the good
+    units are done, stops the job with the old set still complete and verified (it was removed first, before); once
+    the input is fixed the same command replaces the old set, and what the failed attempt left in .next/ goes."""
+    from pipeline.corpus import build_shards
+
+    out = tmp_path / "set"
+    shutil.copytree(tiny_shards, out)
+    before = tree(out)
+    shutil.copy(tiny_prep(out).input[0], tmp_path / "a.jsonl")
+    text = (tmp_path / "a.jsonl").read_bytes()[:100_000]
+    whole = gzip.compress(text[: text.rindex(b"\n") + 1])
+    bad = tmp_path / "z.jsonl.gz"  # the last unit; one worker runs the units in order
+    bad.write_bytes(whole[: len(whole) // 2])  # cut short: fails inside its unit
+    inputs = [tmp_path / "a.jsonl", bad]
+    with pytest.raises(UserError, match="z.jsonl.gz"):
+        build_shards(tiny_prep(out, inputs=inputs, seed=1, overwrite=True, workers=1))
+    assert without_staging(out) == before and main(["verify", str(out), "--quiet"]) == 0
+    assert list((out / ".next" / "units").glob("*.json")), "the good units' work is kept for the rerun"
+    assert "stays until it is complete" in capsys.readouterr().err
+    bad.write_bytes(whole)
+    result = build_shards(tiny_prep(out, inputs=inputs, seed=1, overwrite=True, workers=1))
+    assert result.units_total == 5 and len(read_manifest(out)["inputs"]) == 2
+    assert read_manifest(out)["config"]["seed"] == 1 and not (out / ".next").exists()
+    assert main(["verify", str(out), "--quiet"]) == 0
+
+
+def test_an_overwrite_cut_short_while_moving_the_new_set_in_is_finished_by_a_rerun(tiny_shards, tiny_prep, tmp_path,
+                                                                                   ray_once):
+    """The state a crash leaves halfway through the swap (the old set removed, half of the new units moved in, the
+    rest in .next/): the same command, with or without --overwrite, moves the rest in without making them again."""
+    from pipeline.corpus import build_shards
+
+    reference = tmp_path / "reference"
+    build_shards(tiny_prep(reference, seed=1))
+    out = tmp_path / "set"
+    shutil.copytree(tiny_shards, out)
+    for path in [out / "manifest.json", *(out / "units").iterdir(), *(out / "data").iterdir()]:
+        path.unlink()
+    shutil.copytree(reference / "units", out / ".next" / "units")
+    shutil.copytree(reference / "data", out / ".next" / "data")
+    moved = json.loads((out / ".next" / "units" / "00000.json").read_text())
+    for name in [s["path"] for s in moved["shards"]] + ["units/00000.json"]:
+        os.replace(out / ".next" / name, out / name)
+    result = build_shards(tiny_prep(out, seed=1))
+    assert result.units_run == 0 and not (out / ".next").exists()
+    assert read_manifest(out) == read_manifest(reference) and tree(out) == tree(reference)
 
 
 def test_a_set_without_the_marker_but_with_its_manifest_is_still_ours(tiny_shards, tiny_prep, tmp_path):
@@ -324,8 +394,6 @@ def test_a_shard_set_or_tokenizer_inside_the_corpus_directory_is_not_corpus(tiny
     (corpus / "tok").mkdir()
     (corpus / "tok" / "tokenizer.json").write_text("{}")
     assert [Path(i.path).name for i in discover_inputs([str(corpus)])] == ["c.jsonl"]
-    from pipeline.common import UserError
-
     with pytest.raises(UserError, match="a shard set written by `prep corpus`, not a corpus"):
         discover_inputs([str(corpus / "shards")])
 
