@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from pipeline.common import UserError
+from pipeline.common import UserError, describe_os_error
 
 _NO_DEFAULT_TEXT = object()
 
@@ -113,10 +113,20 @@ def load_yaml_settings(path: str | os.PathLike, cls: type, *, command: str,
                        extra_keys: tuple[str, ...] = ()) -> dict[str, Any]:
     """Read a `--config` YAML file into field names of `cls` ('-' or '_' accepted); unknown keys are refused."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: no such config file; pass an existing YAML file to --config")
+    if path.is_dir():
+        raise UserError(f"{path}: a directory, not a config file; pass a YAML file to --config")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such config file; pass an existing YAML file to --config") from None
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}: not UTF-8 text (byte {err.start} is {err.object[err.start]:#04x}); save the config "
+                        f"file as UTF-8 YAML") from None
+    except OSError as err:
+        raise UserError(f"{path}: cannot read the config file ({describe_os_error(err)}); pass a readable YAML file "
+                        f"to --config") from None
+    try:
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as err:
         raise UserError(f"{path}: not valid YAML ({str(err).splitlines()[0]}); fix the file")
     if not isinstance(raw, dict):

@@ -105,6 +105,19 @@ def test_corpus_settings_flags_over_config_file_over_defaults(tmp_path):
                         "--config", str(tmp_path / "bad.yaml")])
 
 
+def test_a_config_file_that_is_not_utf8_or_not_a_file_is_one_line_naming_it(tmp_path, capsys):
+    """A file in another encoding was a UnicodeDecodeError traceback; a directory was called missing."""
+    (tmp_path / "utf16.yaml").write_bytes(b"\xff\xfe\x00bad")
+    (tmp_path / "configs").mkdir()
+    for name, needle in (("utf16.yaml", "not UTF-8 text (byte 0 is 0xff); save the config file as UTF-8"),
+                         ("configs", "a directory, not a config file"), ("nope.yaml", "no such config file")):
+        argv = ["tokenizer", "--config", str(tmp_path / name), "--input", "c.jsonl", "--out", str(tmp_path / "tok")]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{tmp_path / name}: {needle}" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "tok").exists()
+
+
 @pytest.mark.parametrize("path", sorted((REPO_ROOT / "configs" / "prep").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_prep_config_file_is_valid(path):
     config = _corpus_config(["--input", "c.jsonl", "--tokenizer", "t.json", "--out", "o", "--config", str(path)])
