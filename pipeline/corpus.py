@@ -290,8 +290,11 @@ def build_shards(config: CorpusConfig, run_units: Callable = run_units_on_ray) -
                         f"this job {job.fingerprint[:12]}...); pass --overwrite to replace it or choose another "
                         f"--out")
     if not others and (out_dir / MANIFEST_NAME).is_file():
-        manifest = read_manifest(out_dir)
-        if all(_shard_ok(out_dir, s) for s in manifest["shards"]):  # done: nothing is written (a read-only set too)
+        try:
+            manifest = read_manifest(out_dir)
+        except UserError:  # this job's manifest, cut or edited by hand: made again from the unit records
+            manifest = None
+        if manifest and all(_shard_ok(out_dir, s) for s in manifest["shards"]):  # done: nothing is written
             return CorpusResult(manifest, out_dir, len(units), 0, time.perf_counter() - started,
                                 already_complete=True, totals=manifest["totals"])
         with writing(out_dir, fix="make --out writable so that prep can repair it, or choose another --out"):

@@ -29,6 +29,12 @@ INPUT_COLUMN = "input_ids"
 LABEL_COLUMN = "labels"
 MANIFEST_KEYS = ("format_version", "tool_version", "config", "tokenizer", "inputs", "shards", "totals",
                  "rejected", "fingerprint")
+SECTION_TYPES = {"config": dict, "tokenizer": dict, "inputs": list, "shards": list, "totals": dict, "rejected": dict}
+# The fields every reader of a shard set relies on (verify, inspect, the loader, the preflight), checked at reading
+# so that a hand-edited or cut manifest is one line naming it, not a KeyError wherever a field is first used.
+SECTION_FIELDS = {"config": {"input_length": int, "target_length": int},
+                  "tokenizer": {"path": str, "sha256": str, "vocab_size": int}}
+SHARD_FIELDS = {"path": str, "rows": int, "bytes": int, "sha256": str}
 
 
 class ShardProblem(UserError):
@@ -119,7 +125,40 @@ def parse_manifest(data: bytes | str, where: str | Path) -> dict[str, Any]:
     if manifest["format_version"] != FORMAT_VERSION:
         raise UserError(f"{where}: shard format version {manifest['format_version']}, this tool reads "
                         f"{FORMAT_VERSION}; rebuild the shard set with this version of `prep corpus`")
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise UserError(f"{where}: {problem}; rebuild the shard set with `prep corpus --overwrite`")
     return manifest
+
+
+def _manifest_problem(manifest: dict[str, Any]) -> str | None:
+    """What is wrong with the sections and shard entries of a manifest (a field missing, of another type, a shard
+    path outside the set), or None."""
+    for section, kind in SECTION_TYPES.items():
+        if not isinstance(manifest[section], kind):
+            return f"its {section} is {type(manifest[section]).__name__}, not a {kind.__name__}"
+    for section, fields in SECTION_FIELDS.items():
+        problem = _fields_problem(manifest[section], fields)
+        if problem:
+            return f"its {section} {problem}"
+    for k, shard in enumerate(manifest["shards"]):
+        problem = (_fields_problem(shard, SHARD_FIELDS) if isinstance(shard, dict)
+                   else f"is {type(shard).__name__}, not a mapping")
+        if problem is None and (Path(shard["path"]).is_absolute() or ".." in Path(shard["path"]).parts):
+            problem = f"path {shard['path']!r} leads outside the shard set"
+        if problem:
+            return f"shard entry {k} {problem}"
+    return None
+
+
+def _fields_problem(entry: dict[str, Any], fields: dict[str, type]) -> str | None:
+    for name, kind in fields.items():
+        if name not in entry:
+            return f"lacks {name!r} (needs {', '.join(fields)})"
+        value = entry[name]
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+            return f"{name!r} is {value!r}, not a {'non-negative integer' if kind is int else 'string'}"
+    return None
 
 
 # -- a shard against its manifest entry --------------------------------------------------------------------------

@@ -37,6 +37,35 @@ def test_verify_passes_then_names_the_corrupted_shard(tiny_shards, tmp_path, cap
     assert "missing" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("damage,needle", [
+    (lambda m: m["shards"][0].pop("rows"), "shard entry 0 lacks 'rows' (needs path, rows, bytes, sha256)"),
+    (lambda m: m["shards"][1].update(bytes="12"), "shard entry 1 'bytes' is '12', not a non-negative integer"),
+    (lambda m: m["shards"][0].update(path="../../etc/passwd"),
+     "shard entry 0 path '../../etc/passwd' leads outside the shard set"),
+    (lambda m: m["shards"].__setitem__(0, "data/part-00000-0000.arrow"), "shard entry 0 is str, not a mapping"),
+    (lambda m: m["config"].pop("target_length"), "its config lacks 'target_length'"),
+    (lambda m: m.update(shards={}), "its shards is dict, not a list"),
+])
+def test_a_manifest_entry_lacking_a_field_is_one_line_and_prep_corpus_remakes_it(damage, needle, tiny_shards, tiny_prep,
+                                                                                 tmp_path, capsys):
+    """`prep verify` and `prep inspect` said KeyError; now the manifest is named with the fix, which works: the same
+    `prep corpus` remakes the manifest from the unit records (nothing to run)."""
+    from pipeline.corpus import build_shards
+
+    out = tmp_path / "set"
+    shutil.copytree(tiny_shards, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    damage(manifest)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    for argv in (["verify", str(out), "--quiet"], ["inspect", str(out)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{out / 'manifest.json'}: {needle}" in err and "rebuild the shard set with `prep corpus" in err
+        assert len(err.strip().splitlines()) == 1, err
+    assert build_shards(tiny_prep(out)).units_run == 0
+    assert (out / "manifest.json").read_bytes() == (tiny_shards / "manifest.json").read_bytes()
+
+
 def test_shard_loads_with_datasets_from_file(tiny_shards):
     import datasets
 

@@ -135,11 +135,16 @@ def damage_version(path: Path, manifest: dict):
     manifest["format_version"] = 99
 
 
+def damage_entry(path: Path, manifest: dict):
+    del manifest["shards"][1]["rows"]  # was a KeyError in `pretrain --data`
+
+
 @pytest.mark.parametrize("damage, message", [
     (damage_missing, "part-00000-0001.arrow: shard listed in .* is missing"),
     (damage_truncated, "part-00000-0001.arrow: .* bytes, the manifest says"),
     (damage_rows, "part-00000-0001.arrow: 7 rows, the manifest says 8"),
     (damage_version, "shard format version 99"),
+    (damage_entry, r"manifest.json: shard entry 1 lacks 'rows' .*; rebuild the shard set with `prep corpus"),
 ])
 def test_a_damaged_set_fails_with_one_clear_message(tmp_path, damage, message):
     out = tmp_path / "set"
