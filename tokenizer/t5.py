@@ -29,6 +29,7 @@ from tokenizer.errors import TokenizerError
 PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 NUM_SENTINELS = 100
+MIN_VOCAB_SIZE = NUM_SENTINELS + 3 + 16  # the specials, the sentinels and a few pieces
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -170,9 +171,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path, 
     three specials and the 100 sentinels. A corpus too small to fill the vocabulary is a `TokenizerError`, and so
     is an existing DIR/tokenizer.json unless `overwrite` (checked before training; the old file is kept).
     """
-    if vocab_size < NUM_SENTINELS + 3 + 16:
+    if vocab_size < MIN_VOCAB_SIZE:
         raise TokenizerError(f"--vocab-size {vocab_size} is too small; it must hold 3 specials, {NUM_SENTINELS} "
-                             f"sentinels and some pieces (use >= {NUM_SENTINELS + 3 + 16}; T5 uses 32000)")
+                             f"sentinels and some pieces (use >= {MIN_VOCAB_SIZE}; T5 uses 32000)")
     check_out_dir(out_dir, overwrite)
     tokenizer = Tokenizer(Unigram())
     tokenizer.normalizer = normalizers.NFKC()
@@ -180,12 +181,22 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path, 
     tokenizer.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
     trainer = UnigramTrainer(vocab_size=vocab_size - NUM_SENTINELS, special_tokens=[PAD, EOS, UNK],
                              unk_token=UNK, show_progress=show_progress, shrinking_factor=0.75, max_piece_length=16)
-    tokenizer.train_from_iterator(texts, trainer=trainer, length=length)
+    try:
+        tokenizer.train_from_iterator(texts, trainer=trainer, length=length)
+    except Exception as err:  # the trainer's own errors are a bare Exception; the readers' pass through as they are
+        if "not large enough to contain all chars" not in str(err):
+            raise
+        raise TokenizerError(f"--vocab-size {vocab_size} is too small for this text: the Unigram trainer needs a "
+                             f"piece for every character it saw, more than the {vocab_size - NUM_SENTINELS - 3} left "
+                             f"after the specials and sentinels; use a larger --vocab-size") from None
     learned = tokenizer.get_vocab_size(with_added_tokens=True)
     if learned != vocab_size - NUM_SENTINELS:
+        fillable = learned + NUM_SENTINELS  # advised only where it is a size train_tokenizer accepts
         raise TokenizerError(f"the training corpus yields only {learned} pieces, fewer than the "
-                             f"{vocab_size - NUM_SENTINELS} needed for --vocab-size {vocab_size}; give more text "
-                             f"or lower --vocab-size to {learned + NUM_SENTINELS}")
+                             f"{vocab_size - NUM_SENTINELS} needed for --vocab-size {vocab_size}; give more text" +
+                             (f" or lower --vocab-size to {fillable}" if fillable >= MIN_VOCAB_SIZE else
+                              f" (even the smallest --vocab-size, {MIN_VOCAB_SIZE}, needs "
+                              f"{MIN_VOCAB_SIZE - NUM_SENTINELS} pieces)"))
     _add_sentinels(tokenizer)
     return _save(tokenizer, out_dir, overwrite)
 

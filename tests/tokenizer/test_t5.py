@@ -29,6 +29,22 @@ def test_too_small_corpus_is_a_clear_error(tmp_path):
         train_tokenizer(iter(["tiny corpus"] * 3), 4000, tmp_path, show_progress=False)
 
 
+def test_too_small_corpus_never_advises_a_vocab_size_below_the_smallest(tmp_path):
+    """6 pieces fill a vocabulary of 106, which train_tokenizer refuses: the advice was to lower --vocab-size to it."""
+    with pytest.raises(TokenizerError, match=r"more text \(even the smallest --vocab-size, 119, needs 19 pieces\)"):
+        train_tokenizer(iter(["ab ab ab"]), 1024, tmp_path, show_progress=False)
+    with pytest.raises(TokenizerError, match="or lower --vocab-size to 130"):
+        train_tokenizer(iter(["the quick brown fox jumps over the lazy dog"] * 3), 1024, tmp_path, show_progress=False)
+
+
+def test_more_characters_than_the_vocab_size_holds_is_a_clear_error(tmp_path):
+    """The Unigram trainer's bare Exception ("not large enough to contain all chars") was a traceback."""
+    text = "".join(chr(c) for c in range(0x4E00, 0x4E00 + 300))  # 300 distinct characters
+    with pytest.raises(TokenizerError, match="--vocab-size 200 is too small for this text.*use a larger --vocab-size"):
+        train_tokenizer(iter([text] * 3), 200, tmp_path, show_progress=False)
+    assert not (tmp_path / "tokenizer.json").exists()
+
+
 def _plain_tokenizer(path, with_post_processor=True):
     vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, "hello": 3, "world": 4}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
