@@ -16,10 +16,11 @@ import time
 from pathlib import Path
 
 from pipeline.common import UserError, run_cli, writing
-from pipeline.config import CorpusConfig, TokenizerConfig
+from pipeline.config import CorpusConfig, TokenizerConfig, require_at_least
 from pipeline.settings import add_flags, build_settings, field_names, flag_name, merged_settings
 
 SAMPLE_WORD = "sample"
+MIN_SAMPLE_BYTES = 10_000  # a few documents; less is nothing a tokenizer or prep corpus can use
 
 
 def _sample_corpus_path() -> str:
@@ -41,6 +42,8 @@ def cmd_sample_corpus(args: argparse.Namespace) -> int:
     """Write the built-in sample corpus (Python's own documentation text, no download) as DIR/sample.jsonl."""
     from pipeline.sample_corpus import SAMPLE_FILE, write_sample_corpus
 
+    if args.max_bytes is not None:  # 0 wrote an empty corpus after reading the whole standard library
+        require_at_least("--max-bytes", args.max_bytes, MIN_SAMPLE_BYTES)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: a file, not a directory; --out names the directory for {SAMPLE_FILE}")
@@ -81,11 +84,15 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
 
 
 def _capped(texts, max_bytes: int | None):
+    """The texts until `max_bytes` of UTF-8 have been yielded (bytes, as the flag says; it counted characters)."""
+    if max_bytes is None:
+        yield from texts
+        return
     total = 0
     for text in texts:
-        if max_bytes is not None and total >= max_bytes:
+        if total >= max_bytes:
             return
-        total += len(text)
+        total += len(text.encode("utf-8"))
         yield text
 
 
@@ -119,6 +126,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from pipeline.shard_format import read_manifest
     from pipeline.shardset import decoded_examples, summary_lines
 
+    require_at_least("--examples", args.examples, 0)  # a negative count decoded every example
     manifest = read_manifest(args.shard_dir)
     print("\n".join(summary_lines(manifest)))
     for k, (inputs, labels) in enumerate(decoded_examples(args.shard_dir, args.examples, args.tokenizer)):
@@ -185,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("inspect", cmd_inspect)
     p.add_argument("shard_dir", help="a shard set directory (holding manifest.json)")
-    p.add_argument("--examples", type=int, default=3, help="how many examples to decode (default %(default)s)")
+    p.add_argument("--examples", type=int, default=3, help="how many examples to decode, 0 for the summary only "
+                                                           "(default %(default)s)")
     p.add_argument("--tokenizer", default=None, help="decode with this file (default: the manifest's)")
 
     p = add("verify", cmd_verify)
@@ -194,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("sample-corpus", cmd_sample_corpus)
     p.add_argument("--out", required=True, help="directory for sample.jsonl")
-    p.add_argument("--max-bytes", type=int, default=None, help="stop before the file grows past this many bytes")
+    p.add_argument("--max-bytes", type=int, default=None, help="stop before the file grows past this many bytes "
+                   f"(at least {MIN_SAMPLE_BYTES:,}; default: the whole corpus)")
     return parser
 
 

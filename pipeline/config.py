@@ -89,7 +89,7 @@ class TokenizerConfig:
     out: str = setting(help="directory for tokenizer.json")
     text_field: str = text_field_setting()
     max_doc_chars: int = max_doc_chars_setting()
-    max_bytes: int | None = setting(None, "train on at most this many characters")
+    max_bytes: int | None = setting(None, "stop reading training text once this many bytes (UTF-8) are read")
     overwrite: bool = setting(False, "replace an existing DIR/tokenizer.json (kept as tokenizer.json.bak-<sha12>); "
                               "shard sets made with the old file need the old file")
 
@@ -99,3 +99,5 @@ class TokenizerConfig:
         if not self.from_file and not self.input:
             raise UserError("nothing to train on: pass --input PATH (or `--input sample`), or --from FILE")
         require_at_least("--max-doc-chars", self.max_doc_chars, 1)
+        if self.max_bytes is not None:
+            require_at_least("--max-bytes", self.max_bytes, 1)

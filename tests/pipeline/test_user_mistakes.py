@@ -213,6 +213,31 @@ def test_sample_corpus_never_replaces_a_file_it_did_not_write(tmp_path, capsys):
     assert "unchanged" in capsys.readouterr().out
 
 
+def test_counts_out_of_range_are_refused_before_anything_is_written(tiny_shards, tmp_path, capsys):
+    """sample-corpus --max-bytes 0 read the whole standard library and wrote an empty corpus (exit 0); inspect
+    --examples -1 decoded every example; tokenizer --max-bytes 0 trained on nothing and advised a vocabulary size
+    below the smallest."""
+    out = tmp_path / "out"
+    for argv, needle in ((["sample-corpus", "--out", str(out), "--max-bytes", "0"], "--max-bytes 0 must be >= 10000"),
+                         (["sample-corpus", "--out", str(out), "--max-bytes", "-5"], "--max-bytes -5 must be >= 10000"),
+                         (["inspect", str(tiny_shards), "--examples", "-1"], "--examples -1 must be >= 0"),
+                         (["tokenizer", "--input", "sample", "--out", str(out), "--max-bytes", "0"],
+                          "--max-bytes 0 must be >= 1")):
+        refused(argv, capsys, needle)
+    assert not out.exists()
+    assert main(["inspect", str(tiny_shards), "--examples", "0"]) == 0
+    assert "--- example" not in capsys.readouterr().out
+
+
+def test_tokenizer_max_bytes_counts_utf8_bytes_not_characters():
+    from pipeline.cli import _capped
+
+    texts = ["\u00e9" * 3000, "second", "third"]  # 3,000 characters, 6,000 bytes
+    assert list(_capped(iter(texts), 5000)) == texts[:1]
+    assert list(_capped(iter(texts), 6001)) == texts[:2]
+    assert list(_capped(iter(texts), None)) == texts
+
+
 # -- 5 and 7: no hang, no orphan -----------------------------------------------------------------------------------
 
 def test_ray_address_where_no_cluster_answers_is_refused_within_seconds(tiny_tokenizer, sample_corpus, tmp_path):
