@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from pipeline.common import UserError, atomic_write_bytes, atomic_write_json
+from pipeline.common import UserError, atomic_write_bytes, atomic_write_json, describe_os_error, writing
 from pretrain.config import STAGE3_TUNABLES, ZERO_STAGES, TrainConfig
 from pretrain.data import storage
 from pretrain.runlock import output_dir
@@ -42,6 +42,9 @@ TUNE_FILE = "tune.json"
 SPACE_FILE = "space.yaml"
 WORKER_CHOICES = (0, 1, 2, 4, 8)
 FIXED_BY_FLAGS = ("model", "nproc", "global_batch")
+FULL_GRID_HEADER = "# the full grid of a `study tune`"
+"""How every --write-grid file begins: a file that begins so is a tune's, and a tune may write it again (a rerun
+of the same command); any other file is the user's, and is never replaced."""
 
 
 @dataclass
@@ -186,9 +189,32 @@ def space_grid(options: TuneOptions, cores: int, steps: int) -> dict[str, Any]:
     return grid
 
 
-def write_space(grid: dict[str, Any], path: Path, header: str) -> StudyGrid:
-    atomic_write_bytes(path, (header + yaml.safe_dump(grid, sort_keys=False)).encode())
+def write_space(grid: dict[str, Any], path: Path, header: str, fix: str) -> StudyGrid:
+    """Write a space as a grid file (`fix`: what to do if it cannot be written) and read it back as the study does."""
+    with writing(path, fix):
+        atomic_write_bytes(path, (header + yaml.safe_dump(grid, sort_keys=False)).encode())
     return load_grid(path)
+
+
+def check_grid_file(path: Path, space: str | None) -> None:
+    """--write-grid FILE must be a new file or one an earlier tune wrote (FULL_GRID_HEADER): not a directory, not
+    the --space file, nor any other file, which the grid would silently replace."""
+    if path.is_dir():
+        raise UserError(f"{path}: --write-grid is a directory; give a file name, e.g. --write-grid "
+                        f"{path / 'full.yaml'}")
+    if not path.exists():
+        return
+    if space and path.resolve() == Path(space).resolve():
+        raise UserError(f"{path}: --write-grid names the --space file, which it would replace; give another file name")
+    try:
+        with open(path, "rb") as f:
+            first = f.read(len(FULL_GRID_HEADER))
+    except OSError as err:
+        raise UserError(f"{path}: --write-grid cannot read the file there ({describe_os_error(err)}); give another "
+                        f"file name") from None
+    if first != FULL_GRID_HEADER.encode():
+        raise UserError(f"{path}: --write-grid would replace this file, which `study tune` did not write; give another "
+                        f"file name, or remove it first")
 
 
 # ------------------------------------------------------------------------------------------------ the machine
@@ -437,14 +463,18 @@ def open_tune(options: TuneOptions) -> Tune:
     if not grid_dict["data"]:
         raise UserError("--data SHARDS is required (a shard set written by `prep corpus`), or `data:` in --space")
     if options.write_grid:
+        check_grid_file(Path(options.write_grid), options.space)
+    output_dir(options.out, what="tune", flag="study tune --out")
+    if options.write_grid:
         full = {**grid_dict, "name": f"{grid_dict['name']}-full",
                 "base": {**grid_dict["base"], "steps": options.rung_steps[-1]}}
-        write_space(full, Path(options.write_grid), f"# the full grid of `{shlex.join(options.argv)}`; "
-                                                    f"run it as: study run {options.write_grid} --out DIR\n")
-    output_dir(options.out, what="tune", flag="study tune --out")
+        write_space(full, Path(options.write_grid), f"{FULL_GRID_HEADER} (`{shlex.join(options.argv)}`); run it as: "
+                    f"study run {options.write_grid} --out DIR\n",
+                    "give --write-grid a file in a writable directory")
     text = yaml.safe_dump(grid_dict, sort_keys=False)
     space_sha = hashlib.sha256(text.encode()).hexdigest()
-    grid = write_space(grid_dict, options.out / SPACE_FILE, f"# the space of `{shlex.join(options.argv)}`\n")
+    grid = write_space(grid_dict, options.out / SPACE_FILE, f"# the space of `{shlex.join(options.argv)}`\n",
+                       "pick another study tune --out")
     shards = str(grid.data)
     device = device_info(options, grid.base)
     configs = grid.points(shards, options.out / "runs")

@@ -178,3 +178,37 @@ def test_compare_grid_judges_the_best_found_against_a_full_grid_of_the_same_spac
     assert against["goal_met"] == (against["gap"] <= 0.03 and against["time_share"] <= 0.25)
     assert "## Against the full grid" in (out / "tune.md").read_text()
     assert "against the grid" in result.stdout and ("goal met" in result.stdout or "goal not met" in result.stdout)
+
+
+def test_write_grid_never_replaces_a_file_the_tune_did_not_write(tiny_shards, tmp_path, tmpfs):
+    """--write-grid FILE: a user's file, a directory and the --space file are refused in one line before anything
+    is written; a grid an earlier tune wrote is written again (a rerun of the same command), and a read-only
+    place is one line too."""
+    space = ["--model", "t5-tiny", "--nproc", "1", "--global-batch", "8", "--data", str(tiny_shards),
+             "--set", "zero=2", "--set", "offload=none", "--set", "loader_workers=0",
+             "--set", "activation_checkpointing=false", "--dry-run"]
+    mine = tmp_path / "notes.yaml"
+    mine.write_text("my notes\n")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for target, says in ((mine, "which `study tune` did not write"), (folder, "--write-grid is a directory")):
+        refused = tune(*space, "--out", str(tmp_path / "refused"), "--write-grid", str(target))
+        assert refused.returncode == 2 and says in refused.stderr, refused.stderr
+        assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
+    assert mine.read_text() == "my notes\n" and list(folder.iterdir()) == []
+    assert not (tmp_path / "refused").exists()
+
+    full = tmp_path / "full.yaml"
+    for _ in range(2):          # the second run replaces the grid the first wrote
+        written = tune(*space, "--out", str(tmp_path / "tune"), "--write-grid", str(full))
+        assert written.returncode == 0, written.stderr
+    assert len(load_grid(full).points()) == 4           # micro batch 1, 2, 4, 8 (the default among them)
+    as_space = tune("--space", str(full), "--data", str(tiny_shards), "--dry-run", "--out", str(tmp_path / "again"),
+                    "--write-grid", str(full))
+    assert as_space.returncode == 2 and "names the --space file" in as_space.stderr
+
+    read_only = tmpfs.read_only(tmpfs("ro"))
+    denied = tune(*space, "--out", str(tmp_path / "ro-tune"), "--write-grid", str(read_only / "full.yaml"))
+    assert denied.returncode == 2 and "Read-only file system" in denied.stderr and "--write-grid" in denied.stderr
+    assert denied.stderr.count("\n") == 1 and "Traceback" not in denied.stderr
+
