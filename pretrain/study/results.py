@@ -18,7 +18,7 @@ import shlex
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from pipeline.common import UserError, atomic_write_bytes
+from pipeline.common import UserError, atomic_write_bytes, writing
 from pipeline.settings import field_names, setting_type
 from pretrain.config import TrainConfig
 from pretrain.hostcpu import HOST_KEYS
@@ -236,4 +236,5 @@ def rebuild_report(study_dir: str | os.PathLike) -> dict[str, Any]:
     if not rows:
         raise UserError(f"{study_dir}: no finished points under {RUNS_DIR}/ and no {RESULTS_CSV}; "
                         f"run `study run GRID.yaml --out {study_dir}` first")
-    return write_report(rows, study_dir, setup, axes)
+    with writing(study_dir, f"make {study_dir} writable, or copy it somewhere writable and run `study report` there"):
+        return write_report(rows, study_dir, setup, axes)

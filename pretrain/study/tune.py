@@ -32,7 +32,8 @@ from pretrain.config import STAGE3_TUNABLES, ZERO_STAGES, TrainConfig
 from pretrain.data import storage
 from pretrain.runlock import output_dir
 from pretrain.study import tune_report
-from pretrain.study.grid import AXIS_NAMES, GRID_KEYS, SKIP_STEPS_KEY, StudyGrid, as_list, load_grid
+from pretrain.study.grid import (AXIS_NAMES, GRID_KEYS, SKIP_STEPS_KEY, StudyGrid, as_list, load_grid,
+                                 read_yaml_file)
 from pretrain.study.results import result_row
 from pretrain.study.runner import Sweep, machine_info, new_counts, run_points
 from pretrain.study.tune_compare import compare_with_grid, grid_rows
@@ -151,9 +152,12 @@ def space_grid(options: TuneOptions, cores: int, steps: int) -> dict[str, Any]:
         path = Path(options.space)
         if not path.is_file():
             raise UserError(f"{path}: no such --space file; see configs/tune/ for examples")
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = read_yaml_file(path, "--space file") or {}
         if not isinstance(raw, dict) or set(raw) - set(GRID_KEYS):
             raise UserError(f"{path}: a space file is a grid file (keys {sorted(GRID_KEYS)}); see configs/tune/")
+    for key in ("base", "grid"):
+        if not isinstance(raw.get(key) or {}, dict):
+            raise UserError(f"{options.space}: {key} must be a mapping of settings, e.g. {{zero: [2, 3]}}")
     base, grid_axes = dict(raw.get("base") or {}), dict(raw.get("grid") or {})
     for name in FIXED_BY_FLAGS:
         if name in grid_axes and len(as_list(grid_axes[name])) == 1:   # a study grid's one-value axis fixes it too
@@ -164,7 +168,13 @@ def space_grid(options: TuneOptions, cores: int, steps: int) -> dict[str, Any]:
             grid_axes.pop(name, None)
         if name not in base:
             raise UserError(f"--{name.replace('_', '-')} is required (or base.{name} in the --space file)")
-    nproc, global_batch = int(base["nproc"]), int(base["global_batch"])
+    for name in ("nproc", "global_batch"):
+        value = base[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            where = (f"--{name.replace('_', '-')}" if getattr(options, name) is not None
+                     else f"{options.space}: base.{name}")
+            raise UserError(f"{where} must be a whole number >= 1, got {value!r}")
+    nproc, global_batch = base["nproc"], base["global_batch"]
     if global_batch % nproc:
         raise UserError(f"--global-batch {global_batch} is not a multiple of --nproc {nproc}; pick one that is")
     axes = default_axes(global_batch // nproc, max(1, cores // nproc))

@@ -146,3 +146,15 @@ def test_report_cli_refuses_an_empty_directory(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "study run" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_report_cli_on_a_read_only_study_is_one_line_and_keeps_its_files(tmpfs):
+    study_dir = tmpfs("study", "size=4m")
+    shutil.copy(ASSET, study_dir / results.RESULTS_CSV)
+    tmpfs.read_only(study_dir)
+    result = subprocess.run([sys.executable, "-m", "pretrain.study.cli", "report", str(study_dir)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Read-only file system" in result.stderr, result.stderr
+    assert f"make {study_dir} writable" in result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert (study_dir / results.RESULTS_CSV).read_bytes() == ASSET.read_bytes()

@@ -90,6 +90,15 @@ def test_dry_run_refuses_a_bad_point_before_anything_runs(tmp_path):
     assert not (tmp_path / "study").exists()
 
 
+def test_a_grid_file_that_is_not_text_is_one_line(tmp_path):
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    result = run_cli("run", str(binary), "--out", str(tmp_path / "study"))
+    assert result.returncode == 2 and f"{binary}: not UTF-8 text" in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert not (tmp_path / "study").exists()
+
+
 def test_shipped_grids():
     tiny = load_grid(CONFIGS_DIR / "study" / "cpu-tiny.yaml").points()
     assert len(tiny) == 8 and {p.zero for p in tiny} == {0, 3} and {p.loader_workers for p in tiny} == {0, 2}

@@ -212,3 +212,21 @@ def test_write_grid_never_replaces_a_file_the_tune_did_not_write(tiny_shards, tm
     assert denied.returncode == 2 and "Read-only file system" in denied.stderr and "--write-grid" in denied.stderr
     assert denied.stderr.count("\n") == 1 and "Traceback" not in denied.stderr
 
+
+def test_a_space_or_flag_that_cannot_be_read_is_one_line(tmp_path):
+    """Not UTF-8, not YAML, a rank count of 0 or a word: one line naming the file or flag, nothing written."""
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("base: {steps: [\n")
+    words = tmp_path / "words.yaml"
+    words.write_text("base: {nproc: two}\n")
+    flags = ["--model", "t5-tiny", "--global-batch", "8", "--data", "shards", "--dry-run"]
+    for args, says in (([*flags, "--space", str(binary)], f"{binary}: not UTF-8 text"),
+                       ([*flags, "--space", str(broken)], f"{broken}: not valid YAML"),
+                       ([*flags, "--space", str(words)], f"{words}: base.nproc must be a whole number >= 1"),
+                       ([*flags, "--nproc", "0"], "--nproc must be a whole number >= 1, got 0")):
+        result = tune(*args, "--out", str(tmp_path / "tune"))
+        assert result.returncode == 2 and says in result.stderr, result.stderr
+        assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert not (tmp_path / "tune").exists()
