@@ -329,8 +329,47 @@ class PointLaunch:
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
-def _dry_run(grid: StudyGrid, points: list[TrainConfig], runs: Path) -> dict[str, Any]:
+
+def _json_values(config: TrainConfig) -> dict[str, Any]:
+    """A config's settings as a point record keeps them (JSON: lists, not tuples)."""
+    return json.loads(json.dumps(to_yaml_values(config)))
+
+
+def changed_settings(record: dict[str, Any], config: TrainConfig) -> list[str]:
+    """The settings a finished point ran with that its grid now sets otherwise, as `steps: 3 -> 4`. data and out
+    are left aside (the shard set is checked by its fingerprint, and a study directory may move); a setting the
+    record lacks (one pretrain gained since) counts as its default."""
+    before, now = record.get("config") or {}, _json_values(config)
+    defaults = _json_values(TrainConfig(data="-", out="-"))
+    return [f"{name}: {json.dumps(before.get(name, defaults[name]))} -> {json.dumps(value)}"
+            for name, value in now.items()
+            if name not in SET_BY_STUDY and before.get(name, defaults[name]) != value]
+
+
+def refuse_changed_points(sweep_dir: Path, points: list[TrainConfig], retry_failed: bool) -> None:
+    """A rerun skips the points that finished; one that finished with other settings than it has now (an edited
+    grid) would have its old result reported as the new one's, and relaunching it would delete that result: refuse,
+    naming the point and the settings, before anything launches."""
+    changed = []
+    for config in points:
+        record = read_point_record(Path(config.out))
+        if record and (record["status"] == "ok" or not retry_failed):
+            diff = changed_settings(record, config)
+            if diff:
+                changed.append((Path(config.out).name, diff))
+    if changed:
+        (point_id, diff), others = changed[0], len(changed) - 1
+        remove = (f"remove their run dirs under {sweep_dir / RUNS_DIR} to run them" if others else
+                  f"remove {sweep_dir / RUNS_DIR / point_id} to run it")
+        raise UserError(f"{sweep_dir}: point {point_id} finished with other settings than it has now "
+                        f"({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''})"
+                        + (f", and so did {others} other point{'s' if others > 1 else ''}" if others else "")
+                        + f"; use another --out for the new settings, or {remove} again here")
+
+
+def _dry_run(grid: StudyGrid, points: list[TrainConfig], runs: Path, retry_failed: bool) -> dict[str, Any]:
     """List the points, their launches and the settings each sets off its default; prepare and launch nothing."""
+    refuse_changed_points(runs.parent, points, retry_failed)
     defaults = to_yaml_values(TrainConfig(data="-", out="-"))
     sweep = grid_sweep(grid, runs.parent, fingerprint="")
     for index, config in enumerate(points, 1):
@@ -383,6 +422,7 @@ def run_points(sweep: Sweep, points: list[TrainConfig], *, retry_failed: bool = 
     offload point). Ctrl-C / SIGTERM stop the current launch; a lack of space stops the sweep (UserError)."""
     counts = counts if counts is not None else new_counts(len(points))
     first, total = numbering or (1, len(points))
+    refuse_changed_points(sweep.study_dir, points, retry_failed)
     records: dict[int, dict[str, Any]] = {}
     todo: list[tuple[int, TrainConfig]] = []
     for position, config in enumerate(points):
@@ -478,7 +518,8 @@ def run_study(grid_path: str | os.PathLike, study_dir: str | os.PathLike, *, dat
     study_dir = Path(study_dir)
     runs = study_dir / RUNS_DIR
     if dry_run:
-        return _dry_run(grid, grid.points(shard_location(grid, study_dir, data) or "SHARDS", runs), runs)
+        return _dry_run(grid, grid.points(shard_location(grid, study_dir, data) or "SHARDS", runs), runs,
+                        retry_failed)
 
     output_dir(study_dir, what="study", flag="study run --out")
     shards = prepare_shards(grid, study_dir, data)
@@ -486,6 +527,7 @@ def run_study(grid_path: str | os.PathLike, study_dir: str | os.PathLike, *, dat
     # For a URL (s3://...) only the manifest is read here: each point's loader mode decides how the shards come
     # (`shards` copies the set into the cache once and later launches reuse it; `remote` streams it from cold).
     manifest = storage.read_shard_set_manifest(shards)
+    refuse_changed_points(study_dir, points, retry_failed)      # before study.json takes the edited grid
     record_study_start(grid, points, study_dir, shards, manifest,
                        argv or ["study", "run", str(grid_path), "--out", str(study_dir)])
 

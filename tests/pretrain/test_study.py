@@ -204,6 +204,33 @@ def test_sweep_records_failures_goes_on_and_skips_finished_points(tiny_shards, t
     assert len(state["commands"]) == 1 and len(json.loads((out / results.STUDY_FILE).read_text())["commands"]) == 3
 
 
+def test_a_rerun_of_an_edited_grid_refuses_points_that_finished_with_other_settings(tiny_shards, tmp_path):
+    """A finished point is skipped on a rerun only with the settings it ran with: an edited grid would otherwise
+    report the old result as the new one's. Refused in one line before anything is written; the unedited grid
+    still resumes."""
+    grid_path = write_grid(tmp_path / "grid.yaml", base={"steps": 3, "skip_steps": 1, "global_batch": 4},
+                           grid={"nproc": 1})
+    out = tmp_path / "study"
+    first = run_cli("run", str(grid_path), "--out", str(out), "--data", str(tiny_shards))
+    assert first.returncode == 0, first.stdout + first.stderr
+    record = out / results.RUNS_DIR / "t5-tiny-z2-none-mb2-w0-n1" / results.POINT_FILE
+    kept = {path: path.read_bytes() for path in (record, out / results.STUDY_FILE, out / results.RESULTS_CSV)}
+
+    edited = write_grid(tmp_path / "grid.yaml", base={"steps": 4, "skip_steps": 1, "global_batch": 4},
+                        grid={"nproc": 1})
+    for extra in ([], ["--dry-run"]):
+        again = run_cli("run", str(edited), "--out", str(out), "--data", str(tiny_shards), *extra)
+        assert again.returncode == 2 and "Traceback" not in again.stderr and again.stderr.count("\n") == 1
+        assert ("point t5-tiny-z2-none-mb2-w0-n1 finished with other settings than it has now (steps: 3 -> 4)"
+                in again.stderr and "use another --out" in again.stderr), again.stderr
+    assert {path: path.read_bytes() for path in kept} == kept
+
+    write_grid(tmp_path / "grid.yaml", base={"steps": 3, "skip_steps": 1, "global_batch": 4}, grid={"nproc": 1})
+    resumed = run_cli("run", str(grid_path), "--out", str(out), "--data", str(tiny_shards))
+    assert resumed.returncode == 0 and "skipped (ok earlier)" in resumed.stdout
+    assert record.read_bytes() == kept[record]
+
+
 @pytest.mark.slow   # ./scripts/test.sh -m slow (the default suite stays under CI's 20 minutes)
 def test_a_point_past_its_timeout_is_stopped_and_recorded(tiny_shards, tmp_path):
     # 4000 steps cannot finish in 15 s; by then pretrain has spawned its 2 ranks (in sessions of their own).
