@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import platform
@@ -367,6 +368,49 @@ def refuse_changed_points(sweep_dir: Path, points: list[TrainConfig], retry_fail
                         + f"; use another --out for the new settings, or {remove} again here")
 
 
+class PointClaims:
+    """This sweep's holds on its points: an flock on logs/<point-id>.lock, from before a point's run dir is cleared
+    until its record is written. A second `study run` on the same directory waits for the point, then finds it
+    finished and skips it, instead of clearing its run dir and launching it again."""
+
+    def __init__(self, study_dir: Path):
+        self.dir = study_dir / LOGS_DIR
+        self.held: dict[str, int] = {}
+
+    def take(self, point_id: str, *, wait: bool) -> bool:
+        """Hold the point; without `wait`, False when another sweep holds it."""
+        if point_id in self.held:
+            return True
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.dir / f"{point_id}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not wait:
+                    os.close(fd)
+                    return False
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "pid ?"
+                print(f"waiting for another study run ({holder}) that is running point {point_id}", flush=True)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on host {platform.node()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.held[point_id] = fd
+        return True
+
+    def release(self, point_id: str) -> None:
+        fd = self.held.pop(point_id, None)
+        if fd is not None:
+            os.close(fd)
+
+    def release_all(self) -> None:
+        for point_id in list(self.held):
+            self.release(point_id)
+
+
 def _dry_run(grid: StudyGrid, points: list[TrainConfig], runs: Path, retry_failed: bool) -> dict[str, Any]:
     """List the points, their launches and the settings each sets off its default; prepare and launch nothing."""
     refuse_changed_points(runs.parent, points, retry_failed)
@@ -424,7 +468,7 @@ def run_points(sweep: Sweep, points: list[TrainConfig], *, retry_failed: bool = 
     first, total = numbering or (1, len(points))
     refuse_changed_points(sweep.study_dir, points, retry_failed)
     records: dict[int, dict[str, Any]] = {}
-    todo: list[tuple[int, TrainConfig]] = []
+    todo: list[tuple[int, TrainConfig, dict[str, Any] | None]] = []     # with the record read now, if any
     for position, config in enumerate(points):
         index = first + position
         previous = read_point_record(Path(config.out))
@@ -434,7 +478,19 @@ def run_points(sweep: Sweep, points: list[TrainConfig], *, retry_failed: bool = 
             records[position] = previous
             print(f"[{index}/{total}] {sweep.label(config)} ... skipped ({previous['status']} earlier)", flush=True)
         else:
-            todo.append((position, config))
+            todo.append((position, config, previous))
+    claims = PointClaims(sweep.study_dir)
+
+    def finished_meanwhile(config: TrainConfig, previous: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The point's record if another sweep on this directory finished it since it was read above."""
+        now = read_point_record(Path(config.out))
+        if now is None or now == previous:
+            return None
+        diff = changed_settings(now, config)
+        if diff:
+            raise UserError(f"{sweep.study_dir}: another study run finished point {Path(config.out).name} meanwhile, "
+                            f"with other settings ({', '.join(diff[:4])}); use another --out for these")
+        return now
 
     def start(config: TrainConfig, gated: bool) -> PointLaunch:
         run_dir = Path(config.out)
@@ -451,16 +507,36 @@ def run_points(sweep: Sweep, points: list[TrainConfig], *, retry_failed: bool = 
     current: PointLaunch | None = None
     previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)   # SIGTERM stops the point as Ctrl-C does
     try:
-        for place, (position, config) in enumerate(todo):
+        for place, (position, config, previous) in enumerate(todo):
             index = first + position
             run_dir = Path(config.out)
             prefix = f"[{index}/{total}] {sweep.label(config)}"
-            current = ahead if ahead is not None else start(config, gated=False)  # ahead was launched for this one
+            if ahead is None:
+                # held from here until its record is written; another study run launching it is waited for
+                claims.take(run_dir.name, wait=True)
+                done = finished_meanwhile(config, previous)
+                if done is not None:
+                    claims.release(run_dir.name)
+                    counts["skipped"] += 1
+                    counts[done["status"]] += 1
+                    records[position] = done
+                    print(f"{prefix} ... skipped ({done['status']}: another study run finished it meanwhile)",
+                          flush=True)
+                    continue
+                current = start(config, gated=False)
+            else:
+                current = ahead     # launched early for this point (and held since)
             ahead = None
             hidden_s = current.open_gate()
             if sweep.settings.overlap_startup and config.offload == "none" and place + 1 < len(todo):
-                # offload points keep the host's cores to themselves (CPU Adam): nothing starts beside them
-                ahead = start(todo[place + 1][1], gated=True)
+                # offload points keep the host's cores to themselves (CPU Adam): nothing starts beside them; nor
+                # beside a point another study run holds (it is waited for in its turn)
+                _, following, following_previous = todo[place + 1]
+                if claims.take(Path(following.out).name, wait=False):
+                    if finished_meanwhile(following, following_previous) is None:
+                        ahead = start(following, gated=True)
+                    else:
+                        claims.release(Path(following.out).name)
             if not sys.stdout.isatty():
                 print(f"{prefix} ...", end="", flush=True)
             outcome = current.wait(sweep.settings.timeout_s, config.steps, prefix)
@@ -473,6 +549,7 @@ def run_points(sweep: Sweep, points: list[TrainConfig], *, retry_failed: bool = 
                       "study": dataclasses.asdict(sweep.settings), "fingerprint": sweep.fingerprint}
             run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_json(run_dir / POINT_FILE, record)
+            claims.release(run_dir.name)
             records[position] = record
             counts[outcome.status] += 1
             counts["launched"] += 1
@@ -493,6 +570,7 @@ def run_points(sweep: Sweep, points: list[TrainConfig], *, retry_failed: bool = 
         launches = [launch for launch in (current, ahead) if launch is not None]
         if launches:
             launches[0].stop(*launches[1:])
+        claims.release_all()
     return [records[position] for position in sorted(records)]
 
 

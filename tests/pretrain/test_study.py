@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -229,6 +230,31 @@ def test_a_rerun_of_an_edited_grid_refuses_points_that_finished_with_other_setti
     resumed = run_cli("run", str(grid_path), "--out", str(out), "--data", str(tiny_shards))
     assert resumed.returncode == 0 and "skipped (ok earlier)" in resumed.stdout
     assert record.read_bytes() == kept[record]
+
+
+def test_a_second_study_run_on_the_same_directory_waits_and_skips_the_point_the_first_ran(tiny_shards, tmp_path):
+    """Two `study run`s of one grid into one --out: the second waits for the point the first is running, then
+    finds it finished and skips it, instead of clearing its run dir and launching it again."""
+    grid_path = write_grid(tmp_path / "grid.yaml", base={"steps": 60, "skip_steps": 1, "global_batch": 4},
+                           grid={"nproc": 1})
+    out = tmp_path / "study"
+    run_dir = out / results.RUNS_DIR / "t5-tiny-z2-none-mb2-w0-n1"
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen([*STUDY_CLI, "run", str(grid_path), "--out", str(out), "--data", str(tiny_shards)],
+                                 stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 120
+    while not (run_dir / "metrics.jsonl").is_file():        # the first study's point is training
+        assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
+        time.sleep(0.1)
+    second = run_cli("run", str(grid_path), "--out", str(out), "--data", str(tiny_shards))
+    assert first.wait(timeout=120) == 0, (tmp_path / "first.log").read_text()
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "waiting for another study run" in second.stdout
+    assert "skipped (ok: another study run finished it meanwhile)" in second.stdout, second.stdout
+    assert "(1 skipped as finished, 0 launched)" in second.stdout
+    record = json.loads((run_dir / results.POINT_FILE).read_text())
+    assert record["status"] == "ok" and len((run_dir / "metrics.jsonl").read_text().splitlines()) == 60
 
 
 @pytest.mark.slow   # ./scripts/test.sh -m slow (the default suite stays under CI's 20 minutes)
