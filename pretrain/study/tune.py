@@ -249,11 +249,10 @@ def device_info(options: TuneOptions, base: dict[str, Any]) -> dict[str, Any]:
     return device
 
 
-def model_arithmetic(grid: StudyGrid, shards: str, configs: list[TrainConfig],
-                     device: dict[str, Any]) -> tuple[Shape, list[float], dict[str, Any]]:
-    """The run's Shape, each config's memory figure (see device_figure) and the shard set's manifest; the model
+def model_arithmetic(grid: StudyGrid, manifest: dict[str, Any], configs: list[TrainConfig],
+                     device: dict[str, Any]) -> tuple[Shape, list[float]]:
+    """The run's Shape and each config's memory figure (see device_figure) on the shard set of `manifest`; the model
     arithmetic runs in a child process (pretrain.study.tune_estimate), which imports torch and DeepSpeed."""
-    manifest = storage.read_shard_set_manifest(shards)
     base, lengths = grid.base, manifest["config"]
     nproc, global_batch = int(base["nproc"]), int(base["global_batch"])
     keys = ("zero", "offload", "micro_batch", "activation_checkpointing")
@@ -275,7 +274,7 @@ def model_arithmetic(grid: StudyGrid, shards: str, configs: list[TrainConfig],
                   host_cores_per_rank=max(1, (device["cpus"] or 1) // nproc))
     device["fit_fraction"] = answer["fit_fraction"]      # the share of a device the preflight lets a run use
     figures = [device_figure(e["per_gpu_gib"], e["per_cpu_gib"], nproc, device) for e in answer["estimates"]]
-    return shape, figures, manifest
+    return shape, figures
 
 
 def device_figure(per_gpu: float, per_cpu: float, nproc: int, device: dict[str, Any]) -> float:
@@ -466,6 +465,23 @@ class Tune:
         atomic_write_json(self.options.out / TUNE_FILE, self.state)
 
 
+def earlier_tune(path: Path, space_sha: str, fingerprint: str) -> list[str]:
+    """The commands of the tune DIR/tune.json holds, if any; a tune of another space or shard set, or a tune.json
+    that cannot be read, is refused."""
+    if not path.is_file():
+        return []
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"{path}: cannot be read as a tune's state ({str(err).splitlines()[0]}); use another "
+                        f"--out") from None
+    if not isinstance(earlier, dict) or (earlier.get("space_sha256"), earlier.get("fingerprint")) != (space_sha,
+                                                                                                      fingerprint):
+        raise UserError(f"{path}: this directory holds a tune of another space or shard set; rerun it with "
+                        f"the same flags (see its commands) or use another --out")
+    return list(earlier.get("commands") or [])
+
+
 def open_tune(options: TuneOptions) -> Tune:
     """Build the space, the candidates and the models; refuse a directory that holds another tune."""
     cores = machine_info()["cpus"] or 1
@@ -475,29 +491,25 @@ def open_tune(options: TuneOptions) -> Tune:
     if options.write_grid:
         check_grid_file(Path(options.write_grid), options.space)
     output_dir(options.out, what="tune", flag="study tune --out")
+    text = yaml.safe_dump(grid_dict, sort_keys=False)
+    space_sha = hashlib.sha256(text.encode()).hexdigest()
+    manifest = storage.read_shard_set_manifest(str(grid_dict["data"]))
+    # a directory holding another tune is refused before anything in it (space.yaml) or --write-grid is written
+    state = {"space_sha256": space_sha, "fingerprint": manifest["fingerprint"],
+             "commands": earlier_tune(options.out / TUNE_FILE, space_sha, manifest["fingerprint"])}
+    state["commands"].append(shlex.join(options.argv))
     if options.write_grid:
         full = {**grid_dict, "name": f"{grid_dict['name']}-full",
                 "base": {**grid_dict["base"], "steps": options.rung_steps[-1]}}
         write_space(full, Path(options.write_grid), f"{FULL_GRID_HEADER} (`{shlex.join(options.argv)}`); run it as: "
                     f"study run {options.write_grid} --out DIR\n",
                     "give --write-grid a file in a writable directory")
-    text = yaml.safe_dump(grid_dict, sort_keys=False)
-    space_sha = hashlib.sha256(text.encode()).hexdigest()
     grid = write_space(grid_dict, options.out / SPACE_FILE, f"# the space of `{shlex.join(options.argv)}`\n",
                        "pick another study tune --out")
     shards = str(grid.data)
     device = device_info(options, grid.base)
     configs = grid.points(shards, options.out / "runs")
-    shape, figures, manifest = model_arithmetic(grid, shards, configs, device)
-    state = {"space_sha256": space_sha, "fingerprint": manifest["fingerprint"], "commands": []}
-    path = options.out / TUNE_FILE
-    if path.is_file():
-        earlier = json.loads(path.read_text())
-        if (earlier.get("space_sha256"), earlier.get("fingerprint")) != (space_sha, manifest["fingerprint"]):
-            raise UserError(f"{path}: this directory holds a tune of another space or shard set; rerun it with "
-                            f"the same flags (see its commands) or use another --out")
-        state["commands"] = earlier.get("commands", [])
-    state["commands"].append(shlex.join(options.argv))
+    shape, figures = model_arithmetic(grid, manifest, configs, device)
     state.update(device=device, shape=dataclasses.asdict(shape), space=grid_dict, launches=[])
     calibration = Calibration(capacity_gib=device["capacity_gib"], margin=options.memory_margin)
     calibrate_from(options.calibrate_from, calibration, device)

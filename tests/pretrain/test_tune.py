@@ -230,3 +230,20 @@ def test_a_space_or_flag_that_cannot_be_read_is_one_line(tmp_path):
         assert result.returncode == 2 and says in result.stderr, result.stderr
         assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert not (tmp_path / "tune").exists()
+
+
+def test_a_tune_of_another_space_is_refused_before_it_writes_anything(tiny_shards, tmp_path):
+    """The directory's space.yaml stays the one its tune.json was made with, and --write-grid writes nothing."""
+    space = ["--model", "t5-tiny", "--nproc", "1", "--global-batch", "8", "--data", str(tiny_shards),
+             "--set", "offload=none", "--set", "loader_workers=0", "--set", "activation_checkpointing=false",
+             "--dry-run", "--out", str(tmp_path / "tune")]
+    first = tune(*space, "--set", "zero=2")
+    assert first.returncode == 0, first.stderr
+    kept = (tmp_path / "tune" / "space.yaml").read_bytes()
+    other = tune(*space, "--set", "zero=0", "--write-grid", str(tmp_path / "full.yaml"))
+    assert other.returncode == 2 and "holds a tune of another space" in other.stderr, other.stderr
+    assert (tmp_path / "tune" / "space.yaml").read_bytes() == kept and not (tmp_path / "full.yaml").exists()
+    (tmp_path / "tune" / "tune.json").write_text("{not json")
+    broken = tune(*space, "--set", "zero=2")
+    assert broken.returncode == 2 and "tune.json: cannot be read as a tune's state" in broken.stderr
+    assert "Traceback" not in broken.stderr
