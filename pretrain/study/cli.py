@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.common import UserError, run_cli
+from pipeline.common import run_cli
 from pretrain.study.results import rebuild_report
 from pretrain.study.runner import run_study
 
@@ -55,9 +55,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from pretrain.study.tune import TuneOptions, run_tune
     from pretrain.study.tune_report import speedup
 
-    if args.skip_steps >= min(args.rung_steps):
-        raise UserError(f"--skip-steps {args.skip_steps} leaves no measured step at rung steps {args.rung_steps}; "
-                        f"use fewer skip steps or longer rungs")
     options = TuneOptions(out=Path(args.out), data=args.data, model=args.model, nproc=args.nproc,
                           global_batch=args.global_batch, space=args.space, sets=args.set, budget_s=args.budget_s,
                           rung_steps=args.rung_steps, skip_steps=args.skip_steps, keep=args.keep,

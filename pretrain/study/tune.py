@@ -76,6 +76,30 @@ class TuneOptions:
     compare_grid: str | None = None
     argv: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        """Refuse a value the search cannot use, naming its flag, before anything is read or written."""
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise UserError(message)
+
+        need(self.budget_s is None or self.budget_s > 0, f"--budget-s must be > 0 seconds, got {self.budget_s}")
+        need(all(later > earlier for earlier, later in zip(self.rung_steps, self.rung_steps[1:])),
+             f"--rung-steps must grow from rung to rung (each rung measures longer), e.g. 6,12; got "
+             f"{','.join(map(str, self.rung_steps))}")
+        need(self.skip_steps >= 0, f"--skip-steps must be >= 0, got {self.skip_steps}")
+        need(self.skip_steps < min(self.rung_steps),
+             f"--skip-steps {self.skip_steps} leaves no measured step at rung steps {self.rung_steps}; use fewer "
+             f"skip steps or longer rungs")
+        need(0 < self.keep <= 1, f"--keep is the share of a rung kept for the next, in (0, 1] (0.34 keeps a third); "
+                                 f"got {self.keep}")
+        need(self.min_measured >= 1, f"--min-measured must be >= 1, got {self.min_measured}")
+        for name in ("model_margin", "sibling_margin"):
+            need(getattr(self, name) >= 0, f"--{name.replace('_', '-')} is a relative error, >= 0 (0.15 is 15%); "
+                                           f"got {getattr(self, name)}")
+        need(self.device_memory_gib is None or self.device_memory_gib > 0,
+             f"--device-memory-gib must be > 0, got {self.device_memory_gib}")
+        need(self.best_steps >= 1, f"--best-steps must be >= 1 (the steps best.yaml sets), got {self.best_steps}")
+
 
 @dataclass
 class Candidate:

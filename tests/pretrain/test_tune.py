@@ -137,6 +137,28 @@ def test_user_mistakes_are_one_line(tiny_shards, tmp_path):
     assert no_batch.returncode == 2 and "--global-batch is required" in no_batch.stderr
 
 
+@pytest.mark.parametrize("flag, says", [
+    (["--budget-s", "0"], "--budget-s must be > 0 seconds"),
+    (["--keep", "0"], "--keep is the share of a rung kept for the next, in (0, 1]"),
+    (["--keep", "3"], "--keep is the share of a rung kept for the next, in (0, 1]"),
+    (["--min-measured", "0"], "--min-measured must be >= 1"),
+    (["--model-margin", "-0.1"], "--model-margin is a relative error, >= 0"),
+    (["--sibling-margin", "-0.1"], "--sibling-margin is a relative error, >= 0"),
+    (["--device-memory-gib", "0"], "--device-memory-gib must be > 0"),
+    (["--rung-steps", "12,6"], "--rung-steps must grow from rung to rung"),
+    (["--rung-steps", "6,6"], "--rung-steps must grow from rung to rung"),
+    (["--best-steps", "0"], "--best-steps must be >= 1"),
+    (["--skip-steps", "-1"], "--skip-steps must be >= 0"),
+    (["--skip-steps", "6"], "--skip-steps 6 leaves no measured step"),
+])
+def test_a_numeric_option_out_of_range_is_refused_up_front(tmp_path, flag, says):
+    result = tune("--model", "t5-tiny", "--nproc", "1", "--global-batch", "8", "--data", "shards", "--dry-run",
+                  "--out", str(tmp_path / "tune"), *flag)
+    assert result.returncode == 2 and says in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert not (tmp_path / "tune").exists()
+
+
 @pytest.mark.slow   # a benchmark tool's bookkeeping: ./scripts/test.sh -m slow
 def test_compare_grid_judges_the_best_found_against_a_full_grid_of_the_same_space(tiny_shards, tmp_path):
     """A study grid file is a tune space as is; --compare-grid reads the grid's measurements and says how far the
