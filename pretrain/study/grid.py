@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import yaml
 
-from pipeline.common import UserError, describe_os_error
+from pipeline.common import CONFIGS_DIR, UserError, describe_os_error
 from pipeline.settings import build_settings, field_names, setting
 from pretrain.config import TrainConfig, config_from_values
 
@@ -34,6 +34,7 @@ REPEAT_SUFFIX = re.compile(r"-r(\d+)$")
 SET_BY_STUDY = ("data", "out")      # TrainConfig fields the study fills in: the shard set and STUDY/runs/<point-id>
 SKIP_STEPS_KEY = "skip_steps"       # the grid files' name for TrainConfig.steady_skip
 AXIS_NAMES = tuple(sorted(field_names(TrainConfig) - set(SET_BY_STUDY)))
+MODELS_DIR = CONFIGS_DIR / "models"     # where a model preset's YAML is (pretrain.model.t5, which imports torch)
 POINT_DEFAULTS = {"save_final": False}
 """Where a study point differs from `pretrain`'s defaults: a point measures, so it keeps no final checkpoint
 (mt5-large's is ~17 GB) unless `base` or `grid` says `save_final: true`."""
@@ -180,7 +181,23 @@ class StudyGrid:
         if not 0 <= config.steady_skip < config.steps:
             raise UserError(f"{where}: {SKIP_STEPS_KEY} must be in [0, steps={config.steps}) so some steps are "
                             f"measured, got {config.steady_skip}")
+        # what pretrain would refuse at once, from the settings alone: a model preset that is not there, and (where
+        # pretrain spawns the point's nproc ranks itself) a global batch the micro batches cannot make up
+        _check_model(config.model, where)
+        if self.pretrain_command is None:
+            _in_file(where, lambda: config.grad_accum(config.nproc))
         return config
+
+
+def _check_model(model: str, where: str) -> None:
+    """A point's model is a preset in configs/models/ or a model YAML file, as pretrain.model.t5.load_config reads
+    it (that module imports torch, which a grid check must not)."""
+    path = Path(model)
+    if path.suffix not in (".yaml", ".yml"):
+        path = MODELS_DIR / f"{model}.yaml"
+    if not path.is_file():
+        presets = sorted(preset.stem for preset in MODELS_DIR.glob("*.yaml"))
+        raise UserError(f"{where}: model preset {model!r} not found ({path}); pick one of: {', '.join(presets)}")
 
 
 def _read_base(path: Path, raw: Any) -> tuple[StudySettings, dict[str, Any]]:

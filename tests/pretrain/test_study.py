@@ -70,6 +70,10 @@ def test_exclude_and_include_rules(tmp_path):
     ({"grid": {"zero": [2, 5]}}, "point t5-tiny-z5-none-mb2-w0-n2: --zero must be one of 0, 1, 2, 3"),
     ({"grid": {"zero": [0, 2], "offload": "cpu"}}, "point t5-tiny-z0-cpu-mb2-w0-n2: --offload needs ZeRO stage 1"),
     ({"grid": {"lr": [0.001, "fast"]}}, "lr must be float, got 'fast'"),
+    # and what pretrain would refuse at once from the settings alone
+    ({"grid": {"model": ["t5-tiny", "t5-nano"]}}, "point t5-nano-z2-none-mb2-w0-n2: model preset 't5-nano' not found"),
+    ({"grid": {"micro_batch": [2, 3]}}, "point t5-tiny-z2-none-mb3-w0-n2: --global-batch 8 is not a multiple of "
+                                        "--micro-batch 3 x 2 ranks"),
     ({"base": {"extra_args": ["--compile"]}}, "`compile: true` for --compile"),
     ({"base": {"out": "runs/x"}}, "unknown base settings ['out']"),
     ({"base": {"zero": 2}, "grid": {"zero": [0, 1]}}, "['zero'] in both base and grid"),
@@ -153,26 +157,28 @@ def test_study_refuses_a_second_shard_set(tiny_shards, tmp_path):
 
 
 def test_sweep_records_failures_goes_on_and_skips_finished_points(tiny_shards, tmp_path):
-    # Three points on 2 gloo ranks: micro batch 2 trains; micro batch 3 cannot divide the global batch of 8;
-    # mt5-xxl (13B) is refused by pretrain's memory preflight on this host: recorded as oom.
-    grid_path = write_grid(tmp_path / "grid.yaml", grid={"micro_batch": [3, 2]},
-                           include=[{"model": "mt5-xxl", "micro_batch": 2}])
+    # Three points on 2 gloo ranks: input length 128 trains; 64 is refused by pretrain (the shard set's is 128),
+    # which the grid cannot know; mt5-xxl (13B) is refused by pretrain's memory preflight on this host: oom.
+    grid_path = write_grid(tmp_path / "grid.yaml", grid={"input_length": [64, 128]},
+                           include=[{"model": "mt5-xxl", "input_length": 128}])
     out = tmp_path / "study"
     first = run_cli("run", str(grid_path), "--out", str(out), "--data", str(tiny_shards))
     assert first.returncode == 0, first.stdout + first.stderr
     lines = first.stdout.splitlines()
-    assert lines[0].startswith("[1/3] t5-tiny zero=2 offload=none mb=3 w=0 n=2 ... FAILED: ")
-    assert "not a multiple of --micro-batch 3" in lines[0]
-    assert lines[1].startswith("[2/3] t5-tiny zero=2 offload=none mb=2 w=0 n=2 ... ") and "tok/s" in lines[1]
-    assert lines[2].startswith("[3/3] mt5-xxl zero=2 offload=none mb=2 w=0 n=2 ... OOM: ") and "will not fit" in lines[2]
+    assert lines[0].startswith("[1/3] t5-tiny zero=2 offload=none mb=2 w=0 n=2 input_length=64 ... FAILED: ")
+    assert "shards have input_length 128, the run expects 64" in lines[0]
+    assert lines[1].startswith("[2/3] t5-tiny zero=2 offload=none mb=2 w=0 n=2 input_length=128 ... ")
+    assert "tok/s" in lines[1]
+    assert lines[2].startswith("[3/3] mt5-xxl zero=2 offload=none mb=2 w=0 n=2 input_length=128 ... OOM: ")
+    assert "will not fit" in lines[2]
     assert "3 points: 1 ok, 1 oom, 1 failed, 0 timeout (0 skipped as finished, 3 launched)" in first.stdout
 
     with open(out / "results.csv", newline="") as f:
         rows = {row["point_id"]: row for row in csv.DictReader(f)}
-    failed, ok = rows["t5-tiny-z2-none-mb3-w0-n2"], rows["t5-tiny-z2-none-mb2-w0-n2"]
-    assert failed["status"] == "failed" and "not a multiple of --micro-batch 3" in failed["reason"]
+    failed, ok = rows["t5-tiny-z2-none-mb2-w0-n2-input_length64"], rows["t5-tiny-z2-none-mb2-w0-n2-input_length128"]
+    assert failed["status"] == "failed" and "the run expects 64" in failed["reason"]
     assert failed["tokens_per_s"] == ""
-    assert rows["mt5-xxl-z2-none-mb2-w0-n2"]["status"] == "oom"
+    assert rows["mt5-xxl-z2-none-mb2-w0-n2-input_length128"]["status"] == "oom"
     markdown = (out / "report.md").read_text()
     assert "**mt5-xxl**: no configuration finished" in markdown and "oom at ZeRO-2 mb=2" in markdown
     assert "**t5-tiny**: fastest that fits is ZeRO-2, micro batch 2, 0 loader workers" in markdown
@@ -197,9 +203,9 @@ def test_sweep_records_failures_goes_on_and_skips_finished_points(tiny_shards, t
 
     retry = run_cli("run", str(grid_path), "--out", str(out), "--data", str(tiny_shards), "--retry-failed")
     assert retry.returncode == 0
-    assert "[1/3] t5-tiny zero=2 offload=none mb=3 w=0 n=2 ... FAILED" in retry.stdout
-    assert "[2/3] t5-tiny zero=2 offload=none mb=2 w=0 n=2 ... skipped (ok earlier)" in retry.stdout
-    assert "[3/3] mt5-xxl zero=2 offload=none mb=2 w=0 n=2 ... OOM" in retry.stdout
+    assert "[1/3] t5-tiny zero=2 offload=none mb=2 w=0 n=2 input_length=64 ... FAILED" in retry.stdout
+    assert "[2/3] t5-tiny zero=2 offload=none mb=2 w=0 n=2 input_length=128 ... skipped (ok earlier)" in retry.stdout
+    assert "[3/3] mt5-xxl zero=2 offload=none mb=2 w=0 n=2 input_length=128 ... OOM" in retry.stdout
     assert "(1 skipped as finished, 2 launched)" in retry.stdout
     assert (out / "runs" / ok["point_id"] / results.POINT_FILE).stat().st_mtime_ns == ok_mtime
     assert len(state["commands"]) == 1 and len(json.loads((out / results.STUDY_FILE).read_text())["commands"]) == 3
