@@ -224,6 +224,10 @@ def write_report(rows: list[dict[str, Any]], out_dir: str | os.PathLike, setup: 
 def rebuild_report(study_dir: str | os.PathLike) -> dict[str, Any]:
     """results.csv, report.md and the plots from the run dirs (or from results.csv if there are none)."""
     study_dir = Path(study_dir)
+    if not study_dir.is_dir():
+        raise UserError(f"{study_dir}: " + ("a file, not a study directory" if study_dir.exists() else
+                                            "no such study directory")
+                        + "; give the --out of a `study run` (or a directory holding its results.csv)")
     setup = _read_json(study_dir / STUDY_FILE)
     points = finished_points(study_dir)
     rows = [result_row(record, run_dir) for record, run_dir in points]

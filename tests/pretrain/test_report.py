@@ -148,6 +148,17 @@ def test_report_cli_refuses_an_empty_directory(tmp_path):
     assert result.stderr.count("\n") == 1 and "study run" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_report_cli_says_a_file_or_a_missing_path_is_no_study_directory(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("notes\n")
+    for path, says in ((afile, "a file, not a study directory"), (tmp_path / "nothing", "no such study directory")):
+        result = subprocess.run([sys.executable, "-m", "pretrain.study.cli", "report", str(path)],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and f"{path}: {says}" in result.stderr, result.stderr
+        assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert afile.read_text() == "notes\n" and not (tmp_path / "nothing").exists()
+
+
 def test_report_cli_on_a_read_only_study_is_one_line_and_keeps_its_files(tmpfs):
     study_dir = tmpfs("study", "size=4m")
     shutil.copy(ASSET, study_dir / results.RESULTS_CSV)
