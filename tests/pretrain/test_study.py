@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from launching import child_env
 from pipeline.common import CONFIGS_DIR, UserError
 from pretrain.study import results
 from pretrain.study.grid import load_grid
@@ -245,10 +246,10 @@ def test_a_second_study_run_on_the_same_directory_waits_and_skips_the_point_the_
                            grid={"nproc": 1})
     out = tmp_path / "study"
     run_dir = out / results.RUNS_DIR / "t5-tiny-z2-none-mb2-w0-n1"
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     with open(tmp_path / "first.log", "w") as log:
         first = subprocess.Popen([*STUDY_CLI, "run", str(grid_path), "--out", str(out), "--data", str(tiny_shards)],
-                                 stdout=log, stderr=subprocess.STDOUT, env=env)
+                                 stdout=log, stderr=subprocess.STDOUT,
+                                 env=child_env(RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false"))
     deadline = time.monotonic() + 120
     while not (run_dir / "metrics.jsonl").is_file():        # the first study's point is training
         assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
