@@ -109,26 +109,32 @@ def add_flags(parser: argparse.ArgumentParser | Any, cls: type, *, skip: tuple[s
         parser.add_argument(flag_name(f.name), **options)
 
 
-def load_yaml_settings(path: str | os.PathLike, cls: type, *, command: str,
-                       extra_keys: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Read a `--config` YAML file into field names of `cls` ('-' or '_' accepted); unknown keys are refused."""
+def read_yaml(path: str | os.PathLike, what: str, hint: str = "pass an existing YAML file") -> Any:
+    """The YAML content of `path`, a `what` ("config file", "grid file", ...): a directory, a missing or unreadable
+    file, text that is not UTF-8 or not YAML is one UserError naming the file (hint: the fix for a missing one)."""
     path = Path(path)
     if path.is_dir():
-        raise UserError(f"{path}: a directory, not a config file; pass a YAML file to --config")
+        raise UserError(f"{path}: a directory, not a {what}; pass a YAML file")
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise UserError(f"{path}: no such config file; pass an existing YAML file to --config") from None
+        raise UserError(f"{path}: no such {what}; {hint}") from None
     except UnicodeDecodeError as err:
-        raise UserError(f"{path}: not UTF-8 text (byte {err.start} is {err.object[err.start]:#04x}); save the config "
-                        f"file as UTF-8 YAML") from None
+        raise UserError(f"{path}: not UTF-8 text (byte {err.start} is {err.object[err.start]:#04x}); save the {what} "
+                        f"as UTF-8 YAML") from None
     except OSError as err:
-        raise UserError(f"{path}: cannot read the config file ({describe_os_error(err)}); pass a readable YAML file "
-                        f"to --config") from None
+        raise UserError(f"{path}: cannot read the {what} ({describe_os_error(err)}); check the path and its "
+                        f"permissions") from None
     try:
-        raw = yaml.safe_load(text) or {}
+        return yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise UserError(f"{path}: not valid YAML ({str(err).splitlines()[0]}); fix the file")
+        raise UserError(f"{path}: not valid YAML ({str(err).splitlines()[0]}); fix the syntax") from None
+
+
+def load_yaml_settings(path: str | os.PathLike, cls: type, *, command: str,
+                       extra_keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Read a `--config` YAML file into field names of `cls` ('-' or '_' accepted); unknown keys are refused."""
+    raw = read_yaml(path, "config file", hint="pass an existing YAML file to --config") or {}
     if not isinstance(raw, dict):
         raise UserError(f"{path}: expected a mapping of setting names to values, got {type(raw).__name__}")
     values = {str(key).replace("-", "_"): value for key, value in raw.items()}

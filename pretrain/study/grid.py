@@ -20,10 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
-
-from pipeline.common import CONFIGS_DIR, UserError, describe_os_error
-from pipeline.settings import build_settings, field_names, setting
+from pipeline.common import CONFIGS_DIR, UserError
+from pipeline.settings import build_settings, field_names, read_yaml, setting
 from pretrain.config import TrainConfig, config_from_values
 
 CLASSIC_AXES = ("model", "zero", "offload", "micro_batch", "loader_workers", "nproc", "activation_checkpointing")
@@ -263,27 +261,10 @@ def _read_repeats(path: Path, raw: Any) -> tuple[int, list[dict[str, Any]]]:
     return times, _read_rules(path, {"repeats.where": spec.get("where")}, "repeats.where")
 
 
-def read_yaml_file(path: Path, what: str = "grid file") -> Any:
-    """A grid file's YAML (or a tune's --space file's: `what`); a file that cannot be read, is not UTF-8 text or is
-    not YAML is one UserError naming it, never a traceback."""
-    try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as err:
-        raise UserError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason}); a {what} is YAML: check that "
-                        f"this is the file you meant") from None
-    except OSError as err:
-        raise UserError(f"{path}: cannot read the {what} ({describe_os_error(err)}); check the path and its "
-                        f"permissions") from None
-    except yaml.YAMLError as err:
-        raise UserError(f"{path}: not valid YAML ({str(err).splitlines()[0]}); fix the syntax") from None
-
-
 def load_grid(path: str | os.PathLike) -> StudyGrid:
     """Read a grid file and build every point; any problem raises `UserError` naming the file and the fix."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: no such grid file; see configs/study/ for examples")
-    raw = read_yaml_file(path)
+    raw = read_yaml(path, "grid file", hint="see configs/study/ for examples")
     if not isinstance(raw, dict):
         raise UserError(f"{path}: expected a mapping with name, data, base, grid; see configs/study/cpu-tiny.yaml")
     unknown = sorted(set(raw) - set(GRID_KEYS))

@@ -28,12 +28,12 @@ from typing import Any
 import yaml
 
 from pipeline.common import UserError, atomic_write_bytes, atomic_write_json, describe_os_error, writing
+from pipeline.settings import read_yaml
 from pretrain.config import STAGE3_TUNABLES, ZERO_STAGES, TrainConfig
 from pretrain.data import storage
 from pretrain.runlock import output_dir
 from pretrain.study import tune_report
-from pretrain.study.grid import (AXIS_NAMES, GRID_KEYS, SKIP_STEPS_KEY, StudyGrid, as_list, load_grid,
-                                 read_yaml_file)
+from pretrain.study.grid import AXIS_NAMES, GRID_KEYS, SKIP_STEPS_KEY, StudyGrid, as_list, load_grid
 from pretrain.study.results import result_row
 from pretrain.study.runner import Sweep, machine_info, new_counts, run_points
 from pretrain.study.tune_compare import compare_with_grid, grid_rows
@@ -174,9 +174,7 @@ def space_grid(options: TuneOptions, cores: int, steps: int) -> dict[str, Any]:
     raw: dict[str, Any] = {}
     if options.space:
         path = Path(options.space)
-        if not path.is_file():
-            raise UserError(f"{path}: no such --space file; see configs/tune/ for examples")
-        raw = read_yaml_file(path, "--space file") or {}
+        raw = read_yaml(path, "--space file", hint="see configs/tune/ for examples") or {}
         if not isinstance(raw, dict) or set(raw) - set(GRID_KEYS):
             raise UserError(f"{path}: a space file is a grid file (keys {sorted(GRID_KEYS)}); see configs/tune/")
     for key in ("base", "grid"):
