@@ -111,9 +111,9 @@ def test_the_linear_accumulates_fast_in_the_forward_and_on_request_the_input_gra
         return scaled_mm(a, b, scale_a, scale_b, **kwargs)
     monkeypatch.setattr(torch, "_scaled_mm", recording)
     generator = torch.Generator().manual_seed(2)
-    x = torch.randn(32, 64, generator=generator, device=DEVICE, requires_grad=True)
-    weight = torch.randn(48, 64, generator=generator, device=DEVICE, requires_grad=True)
-    dy = torch.randn(32, 48, generator=generator, device=DEVICE)
+    x = torch.randn(32, 64, generator=generator).to(DEVICE).requires_grad_()
+    weight = torch.randn(48, 64, generator=generator).to(DEVICE).requires_grad_()
+    dy = torch.randn(32, 48, generator=generator).to(DEVICE)
     fp8.fp8_linear(x, weight, fast_input_grad).backward(dy)
     assert calls == [True, fast_input_grad, False]          # forward, input gradient, weight gradient
     _, want_dx, want_dw = emulated(x.detach(), weight.detach(), dy)
@@ -214,7 +214,7 @@ def test_the_fused_feed_forward_is_the_linears_and_gate_to_the_bit(dtype):
 
 
 def test_the_fused_feed_forward_ops_fake_kernels_agree_with_the_real_ones():
-    module = ffn()
+    module = ffn().to(DEVICE)
     x = torch.randn(2, 8, module.config.d_model, device=DEVICE)
     args = (x, module.wi.weight.detach(), module.wo.weight.detach(), fp8.amax(x), fp8.amax(module.wi.weight),
             fp8.amax(module.wo.weight), False)
@@ -225,12 +225,12 @@ def test_the_fused_feed_forward_ops_fake_kernels_agree_with_the_real_ones():
                           (dy, fp8.amax(dy), *saved, torch.float32, False), test_utils=("test_faketensor",))
 
 
-def test_convert_fuses_the_feed_forwards_on_request_and_they_fall_back_where_the_op_does_not_apply(monkeypatch):
-    """fused_ffn=True makes each feed-forward an Fp8GatedGeluFFN (state dict kept) that calls fp8_gated_ffn with the
+def test_convert_fuses_the_feed_forwards_and_they_fall_back_where_the_op_does_not_apply(monkeypatch):
+    """convert_to_fp8 makes each feed-forward an Fp8GatedGeluFFN (state dict kept) that calls fp8_gated_ffn with the
     gate by our kernel, without dropout and where FP8 takes the shapes; otherwise the module runs as before."""
     model = build(load_config("t5-tiny", gated_gelu="triton"), seed=0).to(DEVICE)
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    fp8.convert_to_fp8(model, fused_ffn=True)
+    fp8.convert_to_fp8(model)
     ffns = [m for m in model.modules() if isinstance(m, GatedGeluFFN)]
     assert ffns and all(type(m) is fp8.Fp8GatedGeluFFN for m in ffns)
     assert model.state_dict().keys() == before.keys()
@@ -244,7 +244,7 @@ def test_convert_fuses_the_feed_forwards_on_request_and_they_fall_back_where_the
              "a width FP8 cannot take": (dict(d_ff=72), True, False)}
     for case, (settings, training, expected) in cases.items():
         model = build(load_config("t5-tiny", **{"gated_gelu": "triton", **settings}), seed=0).to(DEVICE)
-        fp8.convert_to_fp8(model, fused_ffn=True)
+        fp8.convert_to_fp8(model)
         module = model.encoder.blocks[0].ffn.train(training)
         calls.clear()
         module(x)
@@ -252,8 +252,9 @@ def test_convert_fuses_the_feed_forwards_on_request_and_they_fall_back_where_the
 
 
 def test_a_model_with_fused_feed_forwards_trains_and_compiles_to_the_unfused_bits(monkeypatch):
-    """t5-tiny converted with and without fused_ffn, eager and compile_regions (aot_eager on the CPU): the same
-    loss and every parameter's gradient (bit for bit on the CPU, where aot_eager runs the same ops)."""
+    """t5-tiny converted, with its feed-forwards as one op and (reverted) as separate linears and gate, eager and
+    compile_regions (aot_eager on the CPU): the same loss and every parameter's gradient (bit for bit on the CPU,
+    where aot_eager runs the same ops)."""
     calls, real = [], fp8.fp8_gated_ffn
     monkeypatch.setattr(fp8, "fp8_gated_ffn", lambda *args: calls.append(1) or real(*args))
     config = load_config("t5-tiny", gated_gelu="triton")
@@ -263,7 +264,11 @@ def test_a_model_with_fused_feed_forwards_trains_and_compiles_to_the_unfused_bit
     runs = {}
     for fused, compiled in ((False, False), (True, False), (True, True)):
         model = build(config, seed=0).to(DEVICE)
-        fp8.convert_to_fp8(model, fused_ffn=fused)
+        fp8.convert_to_fp8(model)
+        if not fused:
+            for module in model.modules():
+                if type(module) is fp8.Fp8GatedGeluFFN:
+                    module.__class__ = GatedGeluFFN
         if compiled:
             model.compile_regions(backend="aot_eager" if DEVICE == "cpu" else "inductor")
         calls.clear()
