@@ -34,7 +34,8 @@ whole in one CUDA graph and replayed: a diagnostic of what the host's launches c
 do this); ours-compile-triton-perdiagonal (the attention's bias gradient summed along the diagonals of every score
 tile, as before score tiles in T5's last bucket were summed whole; the A/B of that); ours-compile-triton-fp8 (the
 blocks' linears as FP8 GEMMs, pretrain/model/fp8.py: `pretrain --precision fp8`; MFU still on the bf16 peak);
-ours-compile-triton-fp8-fastdx (the same with the input gradient's GEMM in cuBLAS's fast accumulation, an experiment).
+ours-compile-triton-fp8-fastdx (the same with the input gradient's GEMM in cuBLAS's fast accumulation, an experiment);
+ours-compile-triton-fp8-graphed (FP8's step in one CUDA graph: what its launches cost the host, a diagnostic).
 
 `--profile VARIANT` traces 3 steps twice: with host events (the op table, kernel time by family) and with device
 activity only (the host's pace close to an untraced run's: the device's busy share and its idle gaps, named by the
@@ -64,7 +65,7 @@ from pretrain.model.variants import attention_of, build_variant  # noqa: E402
 
 VARIANTS = ("hf", "hf-compile", "ours", "ours-compile", "ours-compile-flex", "ours-compile-triton",
             "ours-compile-triton-torchgate", "ours-compile-triton-graphed", "ours-compile-triton-perdiagonal",
-            "ours-compile-triton-fp8", "ours-compile-triton-fp8-fastdx")
+            "ours-compile-triton-fp8", "ours-compile-triton-fp8-fastdx", "ours-compile-triton-fp8-graphed")
 
 
 def sync(device: str) -> None:
