@@ -348,12 +348,16 @@ TINY_BLOCK_LINEARS = 2 * 4 + 2 * 7     # t5-tiny: per encoder block qkv, o, wi, 
 
 @pytest.mark.parametrize("zero, ranks", [(2, 1), (3, 2)])
 def test_pretrain_fp8_end_to_end_on_cpu(tiny_shards, tmp_path, zero, ranks):
-    """DeepSpeed's bf16 engine (it runs bf16 on the CPU too) with t5-tiny's 22 block linears as FP8 GEMMs: ZeRO 2 on
-    one gloo rank, and ZeRO 3 on two (the linears converted on the partitioned build, their weights gathered by the
-    block's hooks when they cast them): the loss falls, the run records fp8 and how many linears it converted."""
+    """DeepSpeed's bf16 engine (it runs bf16 on the CPU too) with t5-tiny's 22 block linears as FP8 GEMMs, the
+    feed-forwards as one op each: ZeRO 2 on one gloo rank, and ZeRO 3 on two (the linears converted on the
+    partitioned build, their weights gathered by the block's hooks when they cast them): the loss falls, the run
+    records fp8 and how many linears it converted."""
     out = tmp_path / "fp8"
-    result = pretrain("--model", "t5-tiny", "--steps", "4", "--micro-batch", "4", "--global-batch", "8", "--lr", "3e-3",
-                      "--warmup-steps", "1", "--zero", str(zero), "--nproc", str(ranks), "--precision", "fp8",
+    gate = tmp_path / "gate.yaml"          # our gate kernels (interpreted here), so that the FFNs run as one FP8 op
+    gate.write_text("model_overrides: {gated_gelu: triton}\n")
+    result = pretrain("--config", str(gate), "--model", "t5-tiny", "--steps", "4", "--micro-batch", "4",
+                      "--global-batch", "8", "--lr", "3e-3", "--warmup-steps", "1", "--zero", str(zero), "--nproc",
+                      str(ranks), "--precision", "fp8",
                       "--no-save-final", "--steady-skip", "1", "--data", str(tiny_shards), "--out", str(out),
                       timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
