@@ -51,11 +51,11 @@ def output_dir(path: str | os.PathLike, *, what: str, flag: str = "--out") -> Pa
     return path
 
 
-def is_hf_export(path: Path) -> bool:
-    """Whether `path` is a directory that `pretrain --export-hf` wrote (config.json and only the files HF's
-    save_pretrained writes): the one kind of existing directory an export may replace."""
+def export_may_replace(path: Path) -> bool:
+    """Whether an export may replace the existing directory `path`: an empty one, or one `pretrain --export-hf`
+    wrote (config.json and only the files HF's save_pretrained writes)."""
     names = [child.name for child in path.iterdir()]
-    return "config.json" in names and all(HF_EXPORT_FILE.fullmatch(name) for name in names)
+    return not names or ("config.json" in names and all(HF_EXPORT_FILE.fullmatch(name) for name in names))
 
 
 def check_export_dir(export: str | os.PathLike, *, keep: dict[str, str]) -> None:
@@ -73,7 +73,7 @@ def check_export_dir(export: str | os.PathLike, *, keep: dict[str, str]) -> None
                             f"its own, e.g. {Path(kept).parent / 'hf-export'} (nothing was changed)")
     if path.exists() and not path.is_dir():
         raise UserError(f"{export}: --export-hf is an existing file; pick a directory (nothing was changed)")
-    if path.is_dir() and any(path.iterdir()) and not is_hf_export(path):
+    if path.is_dir() and not export_may_replace(path):
         raise UserError(f"{export}: --export-hf is a directory holding other files than an HF export, which the "
                         f"export would replace; pick an empty or new directory (nothing was changed)")
     parent = next(p for p in (path, *path.parents) if p.exists())

@@ -18,7 +18,7 @@ import torch
 
 from pipeline.common import UserError
 from pretrain.model.t5 import T5Config, T5Model
-from pretrain.runlock import is_hf_export
+from pretrain.runlock import export_may_replace
 
 _CONFIG_FIELDS = ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
                   "relative_attention_num_buckets", "relative_attention_max_distance", "dropout_rate",
@@ -153,7 +153,7 @@ def to_hf(model: T5Model):
 def export_hf(model: T5Model, out_dir: str | os.PathLike) -> Path:
     """Write a directory that `T5ForConditionalGeneration.from_pretrained(out_dir)` loads; built under a temp
     name beside `out_dir` and renamed into place (an existing directory is replaced only at the end, and only an
-    empty one or an earlier export: `pretrain.runlock.is_hf_export`)."""
+    empty one or an earlier export: `pretrain.runlock.export_may_replace`)."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".tmp"))
@@ -166,7 +166,7 @@ def export_hf(model: T5Model, out_dir: str | os.PathLike) -> Path:
         hf_json["tie_word_embeddings"] = model.config.tie_word_embeddings
         config_path.write_text(json.dumps(hf_json, indent=2, sort_keys=True) + "\n")
         if out_dir.exists():
-            if not out_dir.is_dir() or (any(out_dir.iterdir()) and not is_hf_export(out_dir)):
+            if not out_dir.is_dir() or not export_may_replace(out_dir):
                 raise UserError(f"{out_dir}: exists and is not an earlier HF export, which alone an export "
                                 f"replaces; pick an empty or new directory (nothing there was changed)")
             shutil.rmtree(out_dir)
