@@ -35,7 +35,8 @@ do this); ours-compile-triton-perdiagonal (the attention's bias gradient summed 
 tile, as before score tiles in T5's last bucket were summed whole; the A/B of that); ours-compile-triton-fp8 (the
 blocks' linears as FP8 GEMMs, pretrain/model/fp8.py: `pretrain --precision fp8`; MFU still on the bf16 peak);
 ours-compile-triton-fp8-fastdx (the same with the input gradient's GEMM in cuBLAS's fast accumulation, an experiment);
-ours-compile-triton-fp8-graphed (FP8's step in one CUDA graph: what its launches cost the host, a diagnostic).
+ours-compile-triton-fp8-graphed (FP8's step in one CUDA graph: what its launches cost the host, a diagnostic);
+ours-compile-triton-cudagraphs, ours-compile-triton-fp8-cudagraphs (the blocks compiled with mode="reduce-overhead").
 
 `--profile VARIANT` traces 3 steps twice: with host events (the op table, kernel time by family) and with device
 activity only (the host's pace close to an untraced run's: the device's busy share and its idle gaps, named by the
@@ -61,11 +62,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pretrain.metrics import peak_tflops_for  # noqa: E402
 from pretrain.model.flops import count_parameters, train_step_flops  # noqa: E402
 from pretrain.model.t5 import build  # noqa: E402
-from pretrain.model.variants import attention_of, build_variant  # noqa: E402
+from pretrain.model.variants import attention_of, build_variant, parts  # noqa: E402
 
 VARIANTS = ("hf", "hf-compile", "ours", "ours-compile", "ours-compile-flex", "ours-compile-triton",
             "ours-compile-triton-torchgate", "ours-compile-triton-graphed", "ours-compile-triton-perdiagonal",
-            "ours-compile-triton-fp8", "ours-compile-triton-fp8-fastdx", "ours-compile-triton-fp8-graphed")
+            "ours-compile-triton-fp8", "ours-compile-triton-fp8-fastdx", "ours-compile-triton-fp8-graphed",
+            "ours-compile-triton-cudagraphs", "ours-compile-triton-fp8-cudagraphs")
 
 
 def sync(device: str) -> None:
@@ -172,9 +174,9 @@ def sdpa_backends(model, args, attention: str = "sdpa") -> dict:
     config, dtype, device = model.config, torch.bfloat16, args.device
     heads, d_kv, batch = config.num_heads, config.d_kv, args.batch
 
-    def projected(length, parts):   # the layout Attention._heads gives: a permuted view of one fused projection
-        x = torch.randn(batch, length, parts * heads * d_kv, device=device, dtype=dtype, requires_grad=True)
-        return x.view(batch, length, parts, heads, d_kv).permute(2, 0, 3, 1, 4).unbind(0)
+    def projected(length, n_parts):   # the layout Attention._heads gives: a permuted view of one fused projection
+        x = torch.randn(batch, length, n_parts * heads * d_kv, device=device, dtype=dtype, requires_grad=True)
+        return x.view(batch, length, n_parts, heads, d_kv).permute(2, 0, 3, 1, 4).unbind(0)
 
     encoder_bias = model.encoder.self_attention_bias(args.input_length, dtype).to(device)
     decoder_bias = model.decoder.self_attention_bias(args.target_length, dtype).to(device)
@@ -200,7 +202,11 @@ def make_step(variant: str, model, batch):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0,
                                   fused=input_ids.device.type == "cuda", capturable=graphed)
 
+    marks_steps = "cudagraphs" in parts(variant)
+
     def step():
+        if marks_steps:           # Inductor's CUDA graphs: the last step's outputs may be overwritten from here
+            torch.compiler.cudagraph_mark_step_begin()
         optimizer.zero_grad(set_to_none=True)
         loss = forward()
         loss.backward()

@@ -684,17 +684,20 @@ class T5Model(nn.Module):
             hidden = hidden * self.config.d_model ** -0.5
         return self.lm_head(hidden, labels)
 
-    def compile_regions(self, backend: str = "inductor") -> "T5Model":
+    def compile_regions(self, backend: str = "inductor", mode: str | None = None) -> "T5Model":
         """torch.compile each block's forward (one static graph per stack kind, shared by its blocks) and the loss
         chunk; compiles in seconds where compiling the whole model takes minutes. Returns self. (`backend`: tests
         run the compiled graphs' autograd on CPU with "aot_eager", where Inductor has no FlexAttention backward.)
 
         The forward is compiled, not the module call: module hooks stay outside the graphs. ZeRO 3 gathers a block's
         parameters in such hooks (a block is its unit of gathering, see `zero3.build_partitioned`), so the compiled
-        forward runs on whole weights and the same graphs serve every stage."""
+        forward runs on whole weights and the same graphs serve every stage.
+
+        `mode`: torch.compile's mode for the blocks ("reduce-overhead": Inductor replays each block's forward and
+        backward as CUDA graphs, one launch where the host launched every kernel); the loss chunk keeps the default."""
         for stack in (self.encoder, self.decoder):
             for block in stack.blocks:
-                block.forward = torch.compile(block.forward, backend=backend, dynamic=False)
+                block.forward = torch.compile(block.forward, backend=backend, dynamic=False, mode=mode)
         self.lm_head.chunk_fn = torch.compile(cross_entropy_chunk, backend=backend, dynamic=False)
         return self
 

@@ -7,6 +7,7 @@ A variant is `hf` or `ours`, then the parts it adds, in this order:
   -fp8          the blocks' linears as FP8 GEMMs (pretrain/model/fp8.py)
   -fastdx       (with -fp8) their input gradient's GEMM with fast accumulation (`convert_to_fp8(fast_input_grad=)`)
   -torchgate    the gated GELU by torch's ops, not our fused kernel
+  -cudagraphs   (with -compile) the blocks compiled with mode="reduce-overhead": Inductor's CUDA graphs per block
   -graphed      (bench_model_gpu only: its step, not the model) the whole step in one CUDA graph
 e.g. `ours-compile-triton-fp8`. Which names each script offers is its own `--variants` list.
 """
@@ -51,5 +52,5 @@ def build_variant(variant: str, ours_cpu: T5Model, device: str, dtype: torch.dty
         if variant.startswith("hf"):
             model = torch.compile(model, dynamic=False)
         else:   # every block shares one compiled graph per stack type, + the loss chunk
-            model.compile_regions()
+            model.compile_regions(mode="reduce-overhead" if "cudagraphs" in parts(variant) else None)
     return model
