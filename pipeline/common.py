@@ -27,6 +27,12 @@ class UserError(Exception):
     """An error the user can fix: printed as one line (no traceback) and the command exits with status 2."""
 
 
+def need(ok: bool, message: str) -> None:
+    """Raise UserError(message) unless ok: a settings check, one line each."""
+    if not ok:
+        raise UserError(message)
+
+
 def run_cli(main: Callable[[], int | None]) -> int:
     """Run a CLI entry point, turning a `UserError` (or the tokenizer's own `TokenizerError`) into one line on
     stderr and exit status 2."""

@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from pipeline.common import UserError, atomic_write_bytes, atomic_write_json, describe_os_error, writing
+from pipeline.common import UserError, atomic_write_bytes, atomic_write_json, describe_os_error, need, writing
 from pipeline.settings import read_yaml
 from pretrain.config import STAGE3_TUNABLES, ZERO_STAGES, TrainConfig
 from pretrain.data import storage
@@ -78,10 +78,6 @@ class TuneOptions:
 
     def __post_init__(self) -> None:
         """Refuse a value the search cannot use, naming its flag, before anything is read or written."""
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise UserError(message)
-
         need(self.budget_s is None or self.budget_s > 0, f"--budget-s must be > 0 seconds, got {self.budget_s}")
         need(all(later > earlier for earlier, later in zip(self.rung_steps, self.rung_steps[1:])),
              f"--rung-steps must grow from rung to rung (each rung measures longer), e.g. 6,12; got "
