@@ -33,13 +33,13 @@ def need(ok: bool, message: str) -> None:
         raise UserError(message)
 
 
-def run_cli(main: Callable[[], int | None]) -> int:
-    """Run a CLI entry point, turning a `UserError` (or the tokenizer's own `TokenizerError`) into one line on
-    stderr and exit status 2."""
+def run_cli(main: Callable[[], int | None], prog: str) -> int:
+    """Run the CLI entry point of command `prog`, turning a `UserError` (or the tokenizer's own `TokenizerError`)
+    into one line on stderr, "prog: error: ...", and exit status 2 (named by the command, not by sys.argv[0],
+    which reads "cli.py" under `python -m`)."""
     try:
         return int(main() or 0)
     except (UserError, TokenizerError) as err:
-        prog = Path(sys.argv[0]).name or "t5zero"
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

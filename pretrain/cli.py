@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `pretrain` console script."""
     from pretrain.ranks import rank_env
 
-    code = run_cli(lambda: _main(argv))
+    code = run_cli(lambda: _main(argv), "pretrain")
     if rank_env().launched:
         # A rank leaves without the interpreter's teardown: gloo's worker threads can still be destroying finished
         # collectives that hold Python tensors while Python finalizes, which aborts the process (SIGABRT, "terminate

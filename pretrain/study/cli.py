@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_cli(lambda: args.handler(args))
+    return run_cli(lambda: args.handler(args), "study")
 
 
 if __name__ == "__main__":
