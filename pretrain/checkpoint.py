@@ -257,7 +257,7 @@ def load_checkpoint(engine, checkpoint_dir: str | Path, tag: str, *, rank: int, 
 RESUME_FREE = frozenset({
     "data", "out", "nproc", "loader_workers", "prefetch_factor", "log_every", "steady_skip", "profile_steps",
     "stop_after", "save_every", "save_final", "keep_checkpoints", "resume", "resume_allow", "export_hf", "force",
-    "verify", "cache_dir", "peak_tflops", "tokenizer", "input_length", "target_length", "compile",
+    "verify", "cache_dir", "peak_tflops", "tokenizer", "input_length", "target_length", "compile", "cudagraphs",
     "activation_checkpointing", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
     "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_unit", "stage3_module_hooks",
     "nvme_path", "micro_batch", "global_batch", "spike_sigmas", "spike_window", "rollback_after", "debug_nan_batches",

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.common import UserError
+from pipeline.common import UserError, need
 from pipeline.settings import add_flags, build_settings, merged_settings, setting
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -71,6 +71,10 @@ class TrainConfig:
     activation_checkpointing: bool = setting(False, "recompute activations in backward")
     compile: bool = setting(False, "torch.compile each block's forward and the loss chunk (every stage; "
                                    "~10-30 s on the first step)")
+    cudagraphs: bool = setting(False, "with --compile: Inductor replays each block's forward and backward as CUDA "
+                                      "graphs (torch.compile mode reduce-overhead), one launch where the host "
+                                      "launched every kernel, for steps the host holds back (FP8's); ZeRO 0-2, no "
+                                      "activation checkpointing; the CPU runs the same code without graphs")
     loader_workers: int = setting(0, "DataLoader workers per rank")
     prefetch_factor: int = setting(2, "batches prefetched per loader worker")
     save_every: int = setting(0, "checkpoint every N steps (0: only at the end of the launch)")
@@ -163,16 +167,18 @@ class TrainConfig:
                                               help="T5Config fields over the preset's (YAML only)")
 
     def __post_init__(self) -> None:
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise UserError(message)
-
         for name, allowed in (("zero", ZERO_STAGES), ("offload", OFFLOADS), ("schedule", SCHEDULES),
                               ("precision", PRECISIONS), ("stage3_gather_unit", GATHER_UNITS),
                               ("stage3_module_hooks", MODULE_HOOKS), ("optimizer_step", OPTIMIZER_STEPS),
                               ("loader", LOADERS), ("cpu_affinity", CPU_AFFINITIES)):
             need(getattr(self, name) in allowed,
                  f"--{name.replace('_', '-')} must be one of {', '.join(map(str, allowed))}; got {getattr(self, name)!r}")
+        need(not self.cudagraphs or self.compile, "--cudagraphs replays the compiled blocks: add --compile")
+        need(not self.cudagraphs or self.zero < 3, "--cudagraphs: ZeRO 3 gathers each block's weights to new "
+             "addresses every step, which a CUDA graph cannot replay; use --zero 0-2 or drop --cudagraphs")
+        need(not self.cudagraphs or not self.activation_checkpointing,
+             "--cudagraphs with --activation-checkpointing: the recomputed forward would run outside the graphs; "
+             "pick one")
         need(self.offload == "none" or self.zero >= 1,
              "--offload needs ZeRO stage 1 or higher (stage 0 keeps everything on the device); use --zero 2 or 3")
         need(self.offload != "nvme" or self.zero == 3,
@@ -205,14 +211,14 @@ class TrainConfig:
         need(self.global_batch is None or self.global_batch >= 1, "--global-batch must be >= 1")
         need(isinstance(self.deepspeed, dict) and isinstance(self.model_overrides, dict),
              "deepspeed and model_overrides must be mappings (YAML: `deepspeed: {key: value}`)")
-        self._check_loader(need)
+        self._check_loader()
         need(self.max_restarts >= 0, f"--max-restarts must be >= 0, got {self.max_restarts}")
         need(self.rank_timeout >= 0, f"--rank-timeout must be >= 0 seconds (0: no watchdog), got {self.rank_timeout}")
-        self._check_resume_and_anomalies(need)
+        self._check_resume_and_anomalies()
         need(bool(self.data), "--data SHARDS is required (a shard set written by `prep corpus`)")
         need(bool(self.out), "--out RUN_DIR is required")
 
-    def _check_loader(self, need) -> None:
+    def _check_loader(self) -> None:
         """The loader mode's settings (issue 16): each only where its mode reads it."""
         online_only = ("noise_density", "mean_span_length", "unit_bytes")
         need(self.loader == "online" or all(getattr(self, name) is None for name in online_only),
@@ -222,6 +228,9 @@ class TrainConfig:
         need(self.loader != "remote" or "://" in self.data,
              f"--loader remote reads an s3:// shard set; got --data {self.data!r} (use --loader shards for a local one)")
         need(self.loader != "online" or not self.verify, "--verify checks shards; --loader online makes none")
+        need(self.cache_dir is None or (self.loader != "online" and "://" in self.data),
+             f"--cache-dir holds the local copy of a shard set read from a URL (s3://...); --data {self.data!r} "
+             f"{'is read by --loader online' if self.loader == 'online' else 'is local'}: drop --cache-dir")
         need(self.remote_prefetch_shards >= 0, f"--remote-prefetch-shards must be >= 0, got {self.remote_prefetch_shards}")
         need(self.cache_max_gib is None or self.cache_max_gib > 0, f"--cache-max-gib must be > 0, got {self.cache_max_gib}")
         need(self.unit_bytes is None or self.unit_bytes >= 1024, f"--unit-bytes must be >= 1024, got {self.unit_bytes}")
@@ -232,7 +241,7 @@ class TrainConfig:
         need(self.mean_span_length is None or self.mean_span_length >= 1,
              f"--mean-span-length must be >= 1, got {self.mean_span_length}")
 
-    def _check_resume_and_anomalies(self, need) -> None:
+    def _check_resume_and_anomalies(self) -> None:
         """--resume-allow names settings; the spike window has room for a mean and a deviation."""
         unknown = sorted(set(self.resume_allow) - {f.name for f in dataclasses.fields(self)})
         need(not unknown, f"--resume-allow: no such setting {', '.join(unknown)}; name settings as in "

@@ -210,7 +210,7 @@ class Trainer:
             from pretrain.model.fp8 import convert_to_fp8
             self.model_init["fp8_linears"] = len(convert_to_fp8(model, self.device))
         if config.compile:
-            model.compile_regions()
+            model.compile_regions(mode="reduce-overhead" if config.cudagraphs else None)
         schedule = LRSchedule(config.schedule, config.warmup_steps, config.steps, config.min_lr_ratio)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -533,6 +533,8 @@ class Trainer:
                 self.profiler.before_step(step)
             step_start = time.perf_counter()
             self.host.start_step()
+            if self.config.cudagraphs:   # the blocks' graphs may overwrite the last step's outputs from here
+                torch.compiler.cudagraph_mark_step_begin()
             for micro in range(self.grad_accum):
                 wait_start = time.perf_counter()
                 with record_function("pretrain.data"), self.host.loading():

@@ -54,6 +54,10 @@ def test_flags_override_yaml_and_yaml_overrides_defaults(tmp_path):
     (["--peak-tflops", "0"], "--peak-tflops must be > 0"),
     (["--seed", "-1"], "--seed must be >= 0"),
     (["--seed", str(2**64)], "--seed must be >= 0 and < 2"),
+    (["--cache-dir", "cache"], "--cache-dir holds the local copy of a shard set read from a URL"),
+    (["--cudagraphs"], "--cudagraphs replays the compiled blocks: add --compile"),
+    (["--compile", "--cudagraphs", "--zero", "3"], "ZeRO 3 gathers each block's weights to new addresses"),
+    (["--compile", "--cudagraphs", "--activation-checkpointing"], "--cudagraphs with --activation-checkpointing"),
 ])
 def test_bad_settings_are_refused_with_one_clear_line(argv, message):
     with pytest.raises(UserError, match=message):

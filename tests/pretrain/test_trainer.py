@@ -71,6 +71,8 @@ class Runs:
         recompute = ["--activation-checkpointing", "--offload", "cpu"] if stage == 1 else []
         # nor must compiling inside ZeRO 3's parameter hooks, nor the profiler on its last step
         compiled = ["--compile", "--profile-steps", "1"] if stage == 3 else []
+        # nor replaying the compiled blocks as CUDA graphs (the CPU runs the same code, marking steps, no graphs)
+        compiled += ["--compile", "--cudagraphs"] if stage == 0 else []
         self.run(f"stop{stage}", "--zero", str(stage), "--nproc", "2", "--stop-after", str(HALF), *export, *workers,
                  *recompute, *compiled)
         return self.metrics(f"stop{stage}")
