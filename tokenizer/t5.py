@@ -109,8 +109,8 @@ def backup_path(path: str | Path) -> Path:
 
 
 def check_out_dir(out_dir: str | Path, overwrite: bool = False) -> Path | None:
-    """Before any training: refuse an --out that is a file, is not writable, or holds a tokenizer.json (unless
-    `overwrite`). Returns where the existing file will be kept (`backup_path`), or None when there is none."""
+    """Before any training, and without making --out yet: refuse an --out that is a file, is not writable, or holds
+    a tokenizer.json (unless `overwrite`). Returns where the existing file will be kept (`backup_path`), or None when there is none."""
     out_dir = Path(out_dir)
     path = out_dir / TOKENIZER_FILE
     if out_dir.exists() and not out_dir.is_dir():
@@ -123,9 +123,13 @@ def check_out_dir(out_dir: str | Path, overwrite: bool = False) -> Path | None:
             f"{path}: a tokenizer is already there (sha256 {tokenizer_sha256(path)[:12]}...); every shard set made "
             f"with it needs this exact file and a new one gives other ids; choose another --out, or pass "
             f"--overwrite to replace it (the old file is kept as {backup_path(path).name})")
+    nearest = out_dir          # probed where it exists: a run that fails before saving leaves no empty --out
+    while not nearest.exists() and nearest != nearest.parent:
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        raise TokenizerError(f"{nearest}: a file, not a directory; --out {out_dir} cannot be made under it")
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / f".{TOKENIZER_FILE}.{os.getpid()}.probe"
+        probe = nearest / f".{TOKENIZER_FILE}.{os.getpid()}.probe"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:
@@ -141,6 +145,7 @@ def _save(tokenizer: Tokenizer, out_dir: str | Path, overwrite: bool = False) ->
     path = Path(out_dir) / TOKENIZER_FILE
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         try:
             tokenizer.save(str(tmp), pretty=True)
         except Exception as err:  # tokenizers raises a bare Exception: "No space left on device (os error 28)"

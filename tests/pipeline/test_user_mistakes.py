@@ -405,7 +405,7 @@ def test_corrupt_input_is_one_line_naming_it_in_prep_tokenizer(name, corrupt_inp
     where, says = corrupt_inputs
     line = refused(["tokenizer", "--input", str(where / name), "--vocab-size", "300", "--out", str(tmp_path / "t")],
                    capsys, says[name])
-    assert str(where / name) in line and not (tmp_path / "t" / "tokenizer.json").exists()
+    assert str(where / name) in line and not (tmp_path / "t").exists()   # no --out made for a run that failed
 
 
 def test_a_shard_set_or_tokenizer_inside_the_corpus_directory_is_not_corpus(tiny_shards, sample_corpus, tmp_path,
