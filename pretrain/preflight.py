@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,13 @@ def check_fit(estimate: dict[str, Any], device: dict[str, Any], local_world_size
         host_need = estimate["per_cpu_gib"]
     else:   # CPU training: the ranks' model states and activations live in host memory too
         host_need = estimate["per_cpu_gib"] + estimate["per_gpu_gib"] * local_world_size
+        cores = len(os.sched_getaffinity(0))
+        if local_world_size > cores:
+            crowded = (f"{local_world_size} CPU ranks on this node but {cores} core(s): each rank would get less than "
+                       f"a core and wait on the others (slow; a --rank-timeout may expire)")
+            if not force:
+                raise UserError(f"{crowded}; use --nproc {cores} or fewer (or --force to run them anyway)")
+            problems.append(crowded)
     if host_need > FIT_FRACTION * device["host_available_gib"]:
         problems.append(f"needs ~{host_need:.1f} GiB of host memory on this node, {device['host_available_gib']:.1f}"
                         f" GiB available")

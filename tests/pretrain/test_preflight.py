@@ -102,6 +102,16 @@ def test_a_model_that_cannot_fit_is_refused_unless_forced(tiny_shards, tmp_path,
     assert plan.memory_estimate["parameters"] > 12e9
 
 
+def test_more_cpu_ranks_than_cores_are_refused_unless_forced(tiny_shards, tmp_path, capsys):
+    cores = len(os.sched_getaffinity(0))
+    ranks = ["--nproc", str(cores + 1), "--global-batch", str(4 * (cores + 1))]
+    err = refused(capsys, tiny_shards, tmp_path / "crowded", *ranks)
+    assert f"{cores + 1} CPU ranks on this node but {cores} core(s)" in err and f"--nproc {cores}" in err
+    plan = run_preflight(config_for(tiny_shards, tmp_path / "crowded", *ranks, "--force"), world_size=cores + 1,
+                         local_world_size=cores + 1, announce=False)
+    assert any("CPU ranks on this node" in warning for warning in plan.warnings)
+
+
 def test_memory_estimate_shrinks_with_the_stage_and_with_offload():
     config = load_config("mt5-large")
     per_gpu = {}
