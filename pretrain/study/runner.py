@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import json
 import os
 import platform
@@ -336,12 +337,18 @@ def _json_values(config: TrainConfig) -> dict[str, Any]:
     return json.loads(json.dumps(to_yaml_values(config)))
 
 
+@functools.cache
+def _default_values() -> dict[str, Any]:
+    """Every TrainConfig setting's default, as JSON values (a point record lacking a setting ran with it)."""
+    return _json_values(TrainConfig(data="-", out="-"))
+
+
 def changed_settings(record: dict[str, Any], config: TrainConfig) -> list[str]:
     """The settings a finished point ran with that its grid now sets otherwise, as `steps: 3 -> 4`. data and out
     are left aside (the shard set is checked by its fingerprint, and a study directory may move); a setting the
     record lacks (one pretrain gained since) counts as its default."""
     before, now = record.get("config") or {}, _json_values(config)
-    defaults = _json_values(TrainConfig(data="-", out="-"))
+    defaults = _default_values()
     return [f"{name}: {json.dumps(before.get(name, defaults[name]))} -> {json.dumps(value)}"
             for name, value in now.items()
             if name not in SET_BY_STUDY and before.get(name, defaults[name]) != value]
