@@ -160,7 +160,16 @@ def check_study_dir(study_dir: Path, shards: str, manifest: dict[str, Any]) -> d
 
 def record_study_start(grid: StudyGrid, points: list[TrainConfig], study_dir: Path, shards: str,
                        manifest: dict[str, Any], argv: list[str]) -> None:
-    """Write STUDY/study.json: shard set, machine, grid, axes, shared settings, and this command appended."""
+    """Write STUDY/study.json: shard set, machine, grid, axes, shared settings, and this command appended (under a
+    lock on logs/study.lock: two `study run`s started together each keep their command line)."""
+    (study_dir / LOGS_DIR).mkdir(parents=True, exist_ok=True)
+    with open(study_dir / LOGS_DIR / "study.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)      # released when the file closes
+        _record_study_start(grid, points, study_dir, shards, manifest, argv)
+
+
+def _record_study_start(grid: StudyGrid, points: list[TrainConfig], study_dir: Path, shards: str,
+                        manifest: dict[str, Any], argv: list[str]) -> None:
     state = check_study_dir(study_dir, shards, manifest)
     machine = machine_info()
     earlier = state.get("machine")
