@@ -26,6 +26,7 @@ from typing import Any
 from pipeline.common import UserError, describe_os_error
 
 LOCK_NAME = ".pretrain.lock"
+TUNE_LOCK_NAME = ".tune.lock"
 BYTES_PER_PARAMETER_SAVED = 16     # a checkpoint: weights (4 fp32 / 2 bf16) + fp32 master (4) + Adam moments (8)
 # what transformers' save_pretrained writes for a T5 (one file, or shards and their index past its shard size)
 HF_EXPORT_FILE = re.compile(r"(config|generation_config)\.json|model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
@@ -113,9 +114,9 @@ def _try_lock(path: Path) -> int | None:
     return fd
 
 
-def lock_holder(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+def lock_holder(run_dir: str | os.PathLike, name: str = LOCK_NAME) -> dict[str, Any] | None:
     """Who holds `run_dir`'s lock ({pid, host, since, command}), or None when nobody does (nothing is taken)."""
-    path = Path(run_dir) / LOCK_NAME
+    path = Path(run_dir) / name
     if not path.is_file():
         return None
     try:
@@ -137,19 +138,21 @@ def describe_holder(holder: dict[str, Any]) -> str:
     return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}{age}"
 
 
-def acquire_run_lock(run_dir: str | os.PathLike) -> RunLock:
-    """Take RUN_DIR's lock (creating the directory), or raise one UserError naming the launch that holds it."""
-    run_dir = output_dir(run_dir, what="run directory")
-    path = run_dir / LOCK_NAME
+def acquire_run_lock(run_dir: str | os.PathLike, *, name: str = LOCK_NAME, what: str = "run directory",
+                     holder_kind: str = "pretrain launch", flag: str = "--out") -> RunLock:
+    """Take RUN_DIR's lock (creating the directory), or raise one UserError naming the launch that holds it.
+    (`study tune` takes its directory's with name=TUNE_LOCK_NAME.)"""
+    run_dir = output_dir(run_dir, what=what, flag=flag)
+    path = run_dir / name
     try:
         fd = _try_lock(path)
     except OSError as err:
-        raise UserError(f"{path}: cannot take the run directory's lock ({describe_os_error(err)}); pick another "
-                        f"--out") from None
+        raise UserError(f"{path}: cannot take the {what}'s lock ({describe_os_error(err)}); pick another "
+                        f"{flag}") from None
     if fd is None:
-        holder = lock_holder(run_dir) or {}
-        raise UserError(f"{run_dir}: another pretrain launch is using this run directory ({describe_holder(holder)}"
-                        f"); wait for it to end, stop it, or pick another --out")
+        holder = lock_holder(run_dir, name) or {}
+        raise UserError(f"{run_dir}: another {holder_kind} is using this {what} ({describe_holder(holder)}"
+                        f"); wait for it to end, stop it, or pick another {flag}")
     record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "command": sys.argv}
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)

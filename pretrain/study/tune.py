@@ -31,7 +31,7 @@ from pipeline.common import UserError, atomic_write_bytes, atomic_write_json, de
 from pipeline.settings import read_yaml
 from pretrain.config import STAGE3_TUNABLES, ZERO_STAGES, TrainConfig
 from pretrain.data import storage
-from pretrain.runlock import output_dir
+from pretrain.runlock import TUNE_LOCK_NAME, RunLock, acquire_run_lock
 from pretrain.study import tune_report
 from pretrain.study.grid import AXIS_NAMES, GRID_KEYS, SKIP_STEPS_KEY, StudyGrid, as_list, load_grid
 from pretrain.study.results import result_row
@@ -355,6 +355,7 @@ class Tune:
     calibration: Calibration
     sweep: Sweep
     state: dict[str, Any]
+    lock: RunLock | None = None     # the directory's (held while the Tune lives)
     spent_s: float = 0.0
     counts: dict[str, int] = field(default_factory=new_counts)
     stops: list[str] = field(default_factory=list)
@@ -508,7 +509,9 @@ def open_tune(options: TuneOptions) -> Tune:
         raise UserError("--data SHARDS is required (a shard set written by `prep corpus`), or `data:` in --space")
     if options.write_grid:
         check_grid_file(Path(options.write_grid), options.space)
-    output_dir(options.out, what="tune", flag="study tune --out")
+    # held until this process ends: a second tune on the directory is refused, not interleaved with this one
+    lock = acquire_run_lock(options.out, name=TUNE_LOCK_NAME, what="tune directory", holder_kind="study tune",
+                            flag="study tune --out")
     text = yaml.safe_dump(grid_dict, sort_keys=False)
     space_sha = hashlib.sha256(text.encode()).hexdigest()
     manifest = storage.read_shard_set_manifest(str(grid_dict["data"]))
@@ -540,7 +543,7 @@ def open_tune(options: TuneOptions) -> Tune:
                   label=lambda c: f"{grid.label(c)} steps={c.steps}", values=grid.point_values,
                   pretrain_command=grid.pretrain_command, header=f"study tune {options.out}")
     return Tune(options=options, grid=grid, candidates=candidates, shape=shape, device=device,
-                model=CostModel.for_device(device), calibration=calibration, sweep=sweep, state=state)
+                model=CostModel.for_device(device), calibration=calibration, sweep=sweep, state=state, lock=lock)
 
 
 def run_tune(options: TuneOptions) -> Tune:

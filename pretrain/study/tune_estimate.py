@@ -43,4 +43,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(run_cli(main, "tune_estimate"))

@@ -135,6 +135,14 @@ def test_user_mistakes_are_one_line(tiny_shards, tmp_path):
     assert "Traceback" not in bad_set.stderr
     no_batch = tune("--model", "t5-tiny", "--nproc", "1", "--data", str(tiny_shards), "--out", str(tmp_path / "b"))
     assert no_batch.returncode == 2 and "--global-batch is required" in no_batch.stderr
+    # a second tune on a directory another one is using (held here, as a running tune holds it) is refused
+    from pretrain.runlock import TUNE_LOCK_NAME, acquire_run_lock
+    held = acquire_run_lock(tmp_path / "busy", name=TUNE_LOCK_NAME)
+    busy = tune("--model", "t5-tiny", "--nproc", "1", "--global-batch", "8", "--data", str(tiny_shards),
+                "--out", str(tmp_path / "busy"), "--dry-run")
+    held.release()
+    assert busy.returncode == 2 and "another study tune is using this tune directory" in busy.stderr, busy.stderr
+    assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == [TUNE_LOCK_NAME]     # nothing written
 
 
 @pytest.mark.parametrize("flag, says", [
