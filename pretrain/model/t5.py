@@ -582,6 +582,12 @@ def add_weight_grad(total: torch.Tensor | None, grad_logits: torch.Tensor, h: to
     return product.to(dtype) if total is None else total.add_(product)
 
 
+def _own_gradient(grad: torch.Tensor) -> torch.Tensor:
+    """A copy of a gradient that a CUDA graph's replay wrote (`T5Model.compile_regions`): .grad must not be the
+    graph's memory."""
+    return grad.clone()
+
+
 def _chunked_cross_entropy(hidden, weight, targets, valid, chunk_tokens, with_grads, chunk_fn=cross_entropy_chunk):
     """Mean token cross-entropy over rows of hidden [N, d], walked in chunks of `chunk_tokens` rows; with_grads:
     also its gradients w.r.t. hidden and weight [V, d], the latter summed over chunks in fp32 (fp64 for fp64)."""
@@ -694,10 +700,18 @@ class T5Model(nn.Module):
         forward runs on whole weights and the same graphs serve every stage.
 
         `mode`: torch.compile's mode for the blocks ("reduce-overhead": Inductor replays each block's forward and
-        backward as CUDA graphs, one launch where the host launched every kernel); the loss chunk keeps the default."""
+        backward as CUDA graphs, one launch where the host launched every kernel); the loss chunk keeps the default.
+        A replayed backward writes the weights' gradients into the graphs' memory, which autograd would take as
+        .grad itself, for the next replay to overwrite (pytorch/pytorch#169545: with gradient accumulation, or a
+        .grad zeroed in place, the sum silently loses micro batches): each block weight's gradient is copied out
+        as it arrives (one copy of the blocks' gradients a micro batch)."""
         for stack in (self.encoder, self.decoder):
             for block in stack.blocks:
                 block.forward = torch.compile(block.forward, backend=backend, dynamic=False, mode=mode)
+                if mode == "reduce-overhead":
+                    for param in block.parameters():
+                        if param.requires_grad:
+                            param.register_hook(_own_gradient)
         self.lm_head.chunk_fn = torch.compile(cross_entropy_chunk, backend=backend, dynamic=False)
         return self
 
