@@ -110,7 +110,8 @@ def backup_path(path: str | Path) -> Path:
 
 def check_out_dir(out_dir: str | Path, overwrite: bool = False) -> Path | None:
     """Before any training, and without making --out yet: refuse an --out that is a file, is not writable, or holds
-    a tokenizer.json (unless `overwrite`). Returns where the existing file will be kept (`backup_path`), or None when there is none."""
+    a tokenizer.json (unless `overwrite`). Returns where the existing file will be kept (`backup_path`), or None
+    when there is none."""
     out_dir = Path(out_dir)
     path = out_dir / TOKENIZER_FILE
     if out_dir.exists() and not out_dir.is_dir():
