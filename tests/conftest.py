@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,8 +122,6 @@ def pytest_unconfigure(config):
     `pretrain.cli.main`'s ranks, tearing those down while Python finalises can kill the process after every test
     passed (exit 139 once in three full runs on 2026-12-05, the summary already printed: 522 passed)."""
     if "status" in _EXIT_STATUS:
-        import sys
-
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_EXIT_STATUS["status"])

@@ -124,9 +124,8 @@ def check_out_dir(out_dir: str | Path, overwrite: bool = False) -> Path | None:
             f"{path}: a tokenizer is already there (sha256 {tokenizer_sha256(path)[:12]}...); every shard set made "
             f"with it needs this exact file and a new one gives other ids; choose another --out, or pass "
             f"--overwrite to replace it (the old file is kept as {backup_path(path).name})")
-    nearest = out_dir          # probed where it exists: a run that fails before saving leaves no empty --out
-    while not nearest.exists() and nearest != nearest.parent:
-        nearest = nearest.parent
+    # probed where it exists: a run that fails before saving leaves no empty --out
+    nearest = next(p for p in (out_dir, *out_dir.parents) if p.exists())
     if not nearest.is_dir():
         raise TokenizerError(f"{nearest}: a file, not a directory; --out {out_dir} cannot be made under it")
     try:
