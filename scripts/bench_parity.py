@@ -59,11 +59,10 @@ from pretrain.trainer import LRSchedule  # noqa: E402
 
 VARIANTS = ("ours", "ours-compile", "hf", "hf-compile")
 OPT_IN_VARIANTS = ("ours-compile-flex", "ours-compile-triton", "ours-compile-triton-perdiagonal",
-                   "ours-compile-triton-fp8", "ours-compile-triton-fp8-fastdx")   # named in
-# --variants only: `attention: flex` or `triton`, compiled (CUDA: FlexAttention has no CPU backward, our Triton kernels
-# run on CPU only interpreted); -perdiagonal: the bias gradient of every score tile along its diagonals (saturate 0);
-# -fp8: the blocks' linears as FP8 GEMMs (pretrain/model/fp8.py); -fastdx: their input gradient's GEMM with fast
-# accumulation
+                   "ours-compile-triton-fp8")   # named in --variants only: `attention: flex` or `triton`,
+# compiled (CUDA: FlexAttention has no CPU backward, our Triton kernels run on CPU only interpreted); -perdiagonal:
+# the bias gradient of every score tile along its diagonals (saturate 0); -fp8: the blocks' linears as FP8 GEMMs
+# (pretrain/model/fp8.py)
 PRETRAIN_VARIANTS = ("pretrain", "pretrain-compile")
 PRETRAIN_OPT_IN = ("pretrain-compile-fused",)   # named in --variants only: --compile --optimizer-step fused
 

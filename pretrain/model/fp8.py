@@ -123,7 +123,7 @@ def _register(name: str, fake):
     return decorate
 
 
-def _forward_fake(x, weight, x_amax, w_amax, fast_input_grad):
+def _forward_fake(x, weight, x_amax, w_amax):
     rows = x.numel() // x.shape[-1]
     scalar = x.new_empty(1, dtype=torch.float32)     # a scale's shape (_cast)
     return (x.new_empty(*x.shape[:-1], weight.shape[0]), x.new_empty(x.shape[-1], rows, dtype=FORWARD_DTYPE), scalar,
@@ -140,56 +140,55 @@ def _linear_forward(x2: torch.Tensor, weight: torch.Tensor, x_amax: torch.Tensor
 
 
 def _linear_backward(dy2: torch.Tensor, dy_amax: torch.Tensor, x8_t: torch.Tensor, x_scale: torch.Tensor,
-                     w8_t: torch.Tensor, w_scale: torch.Tensor, weight_dtype: torch.dtype, fast_input_grad: bool):
+                     w8_t: torch.Tensor, w_scale: torch.Tensor, weight_dtype: torch.dtype):
     """(dx, dweight) of a product `_linear_forward` made, dy2 [rows, out] its output's gradient, dy_amax its max
-    |value|: dx = dy @ W (dy e5m2 row-major, W column-major), dW = dy.T @ x, both FP8 GEMMs. Both with cuBLAS's
-    promoted accumulation (partial sums added in fp32 at intervals), dx with the fast one where fast_input_grad (an
-    experiment: `convert_to_fp8`). dW keeps the promoted one: it sums over every token."""
+    |value|: dx = dy @ W (dy e5m2 row-major, W column-major), dW = dy.T @ x, both FP8 GEMMs, both with cuBLAS's
+    promoted accumulation (partial sums added in fp32 at intervals). The fast one in dx was measured and did not pay
+    (docs/model.md); dW sums over every token."""
     dy8, dy8_t, dy_scale = _cast(dy2, dy_amax, GRAD_DTYPE)
-    dx = torch._scaled_mm(dy8, w8_t.t(), dy_scale, w_scale, out_dtype=dy2.dtype, use_fast_accum=fast_input_grad)
+    dx = torch._scaled_mm(dy8, w8_t.t(), dy_scale, w_scale, out_dtype=dy2.dtype)
     dw = torch._scaled_mm(dy8_t, x8_t.t(), dy_scale, x_scale, out_dtype=weight_dtype)
     return dx, dw
 
 
 @_register("fp8_linear", _forward_fake)
-def _forward(x: torch.Tensor, weight: torch.Tensor, x_amax: torch.Tensor, w_amax: torch.Tensor,
-             fast_input_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _forward(x: torch.Tensor, weight: torch.Tensor, x_amax: torch.Tensor, w_amax: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x @ weight.T, and for the backward: x's transposed FP8 copy, its scale, the weight's transposed FP8 copy,
-    its scale); x_amax and w_amax: their max |value| (`amax`); fast_input_grad: for the backward (`_backward`)."""
+    its scale); x_amax and w_amax: their max |value| (`amax`)."""
     y, *saved = _linear_forward(_rows(x), weight, x_amax, w_amax)
     return y.view(*x.shape[:-1], weight.shape[0]), *saved
 
 
-def _backward_fake(dy, dy_amax, x8_t, x_scale, w8_t, w_scale, weight_dtype, fast_input_grad):
+def _backward_fake(dy, dy_amax, x8_t, x_scale, w8_t, w_scale, weight_dtype):
     return dy.new_empty(*dy.shape[:-1], w8_t.shape[0]), dy.new_empty(w8_t.shape[1], w8_t.shape[0], dtype=weight_dtype)
 
 
 @_register("fp8_linear_backward", _backward_fake)
 def _backward(dy: torch.Tensor, dy_amax: torch.Tensor, x8_t: torch.Tensor, x_scale: torch.Tensor,
-              w8_t: torch.Tensor, w_scale: torch.Tensor, weight_dtype: torch.dtype, fast_input_grad: bool
+              w8_t: torch.Tensor, w_scale: torch.Tensor, weight_dtype: torch.dtype
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dweight) of `_forward`'s product (`_linear_backward`)."""
-    dx, dw = _linear_backward(_rows(dy), dy_amax, x8_t, x_scale, w8_t, w_scale, weight_dtype, fast_input_grad)
+    dx, dw = _linear_backward(_rows(dy), dy_amax, x8_t, x_scale, w8_t, w_scale, weight_dtype)
     return dx.view(*dy.shape[:-1], w8_t.shape[0]), dw
 
 
 def _setup_context(ctx, inputs, output):
     _, x8_t, x_scale, w8_t, w_scale = output
     ctx.save_for_backward(x8_t, x_scale, w8_t, w_scale)
-    ctx.weight_dtype, ctx.fast_input_grad = inputs[1].dtype, inputs[4]
+    ctx.weight_dtype = inputs[1].dtype
 
 
 def _autograd_backward(ctx, dy, *unused):
     x8_t, x_scale, w8_t, w_scale = ctx.saved_tensors
-    dx, dw = _backward(dy, amax(dy), x8_t, x_scale, w8_t, w_scale, ctx.weight_dtype,   # amax: in the traced backward
-                       ctx.fast_input_grad)
-    return dx, dw, None, None, None
+    dx, dw = _backward(dy, amax(dy), x8_t, x_scale, w8_t, w_scale, ctx.weight_dtype)   # amax: in the traced backward
+    return dx, dw, None, None
 
 
 torch.library.register_autograd("t5zero::fp8_linear", _autograd_backward, setup_context=_setup_context)
 
 
-def _ffn_forward_fake(x, wi, wo, x_amax, wi_amax, wo_amax, fast_input_grad):
+def _ffn_forward_fake(x, wi, wo, x_amax, wi_amax, wo_amax):
     rows, scalar = x.numel() // x.shape[-1], x.new_empty(1, dtype=torch.float32)
     return (x.new_empty(*x.shape[:-1], wo.shape[0]), x.new_empty(rows, wi.shape[0]),
             x.new_empty(x.shape[-1], rows, dtype=FORWARD_DTYPE), scalar,
@@ -203,7 +202,7 @@ FFN_OUTPUTS = tuple[(torch.Tensor,) * 10]     # spelt out: torch.library infers 
 
 @_register("fp8_gated_ffn", _ffn_forward_fake)
 def _ffn_forward(x: torch.Tensor, wi: torch.Tensor, wo: torch.Tensor, x_amax: torch.Tensor, wi_amax: torch.Tensor,
-                 wo_amax: torch.Tensor, fast_input_grad: bool) -> FFN_OUTPUTS:
+                 wo_amax: torch.Tensor) -> FFN_OUTPUTS:
     """T5's gated feed-forward, wo(gelu_tanh(wi_0 x) * wi_1 x), as one op: the two linears as `_forward` does them,
     with the gate kernel (pretrain/model/gated_gelu.py) handing over max |hidden| for wo's cast. Returns the output,
     then for the backward: the projection u = x @ wi.T (the gate's input), and the FP8 copies and scales of both
@@ -216,8 +215,7 @@ def _ffn_forward(x: torch.Tensor, wi: torch.Tensor, wo: torch.Tensor, x_amax: to
     return y.view(*x.shape[:-1], wo.shape[0]), u, *wi_saved, *wo_saved
 
 
-def _ffn_backward_fake(dy, dy_amax, u, x8_t, x_scale, wi8_t, wi_scale, h8_t, h_scale, wo8_t, wo_scale, weight_dtype,
-                       fast_input_grad):
+def _ffn_backward_fake(dy, dy_amax, u, x8_t, x_scale, wi8_t, wi_scale, h8_t, h_scale, wo8_t, wo_scale, weight_dtype):
     return (dy.new_empty(*dy.shape[:-1], wi8_t.shape[0]),
             dy.new_empty(wi8_t.shape[1], wi8_t.shape[0], dtype=weight_dtype),
             dy.new_empty(wo8_t.shape[1], wo8_t.shape[0], dtype=weight_dtype))
@@ -226,27 +224,26 @@ def _ffn_backward_fake(dy, dy_amax, u, x8_t, x_scale, wi8_t, wi_scale, h8_t, h_s
 @_register("fp8_gated_ffn_backward", _ffn_backward_fake)
 def _ffn_backward(dy: torch.Tensor, dy_amax: torch.Tensor, u: torch.Tensor, x8_t: torch.Tensor, x_scale: torch.Tensor,
                   wi8_t: torch.Tensor, wi_scale: torch.Tensor, h8_t: torch.Tensor, h_scale: torch.Tensor,
-                  wo8_t: torch.Tensor, wo_scale: torch.Tensor, weight_dtype: torch.dtype, fast_input_grad: bool
+                  wo8_t: torch.Tensor, wo_scale: torch.Tensor, weight_dtype: torch.dtype
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dwi, dwo) of `_ffn_forward`: wo's gradients, the gate's (its kernel handing over max |du| for the cast),
     then wi's, as `_linear_backward` does them."""
-    dhidden, dwo = _linear_backward(_rows(dy), dy_amax, h8_t, h_scale, wo8_t, wo_scale, weight_dtype,
-                                    fast_input_grad)
+    dhidden, dwo = _linear_backward(_rows(dy), dy_amax, h8_t, h_scale, wo8_t, wo_scale, weight_dtype)
     du = torch.empty_like(u)
     du_amax = torch.zeros(1, dtype=torch.float32, device=u.device)
     launch_backward(u, dhidden, du, du_amax, launch=_launch)
-    dx, dwi = _linear_backward(du, du_amax, x8_t, x_scale, wi8_t, wi_scale, weight_dtype, fast_input_grad)
+    dx, dwi = _linear_backward(du, du_amax, x8_t, x_scale, wi8_t, wi_scale, weight_dtype)
     return dx.view(*dy.shape[:-1], wi8_t.shape[0]), dwi, dwo
 
 
 def _ffn_setup_context(ctx, inputs, output):
     ctx.save_for_backward(*output[1:])
-    ctx.weight_dtype, ctx.fast_input_grad = inputs[1].dtype, inputs[6]
+    ctx.weight_dtype = inputs[1].dtype
 
 
 def _ffn_autograd_backward(ctx, dy, *unused):
-    dx, dwi, dwo = _ffn_backward(dy, amax(dy), *ctx.saved_tensors, ctx.weight_dtype, ctx.fast_input_grad)
-    return dx, dwi, dwo, None, None, None, None
+    dx, dwi, dwo = _ffn_backward(dy, amax(dy), *ctx.saved_tensors, ctx.weight_dtype)
+    return dx, dwi, dwo, None, None, None
 
 
 torch.library.register_autograd("t5zero::fp8_gated_ffn", _ffn_autograd_backward, setup_context=_ffn_setup_context)
@@ -258,33 +255,32 @@ def fp8_shapes_fit(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return all(size % FP8_ALIGNMENT == 0 for size in (*weight.shape, rows))   # tokens: dW's inner
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, fast_input_grad: bool = False) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T with FP8 GEMMs forward and backward (module docstring); F.linear where a dimension is not a
-    multiple of 16 (e.g. a decoder of 114 targets at an odd micro batch). fast_input_grad: see `_backward`."""
+    multiple of 16 (e.g. a decoder of 114 targets at an odd micro batch)."""
     if not fp8_shapes_fit(x, weight):
         return F.linear(x, weight)
     device = x.device.type
     if torch.is_autocast_enabled(device):     # the op is not autocast's: its output in the dtype autocast would give
         x = x.to(torch.get_autocast_dtype(device))
-    return _forward(x, weight, amax(x), amax(weight), fast_input_grad)[0]
+    return _forward(x, weight, amax(x), amax(weight))[0]
 
 
 class Fp8Linear(nn.Linear):
     """An `nn.Linear` without bias whose product runs through `fp8_linear`; same parameter, same state dict."""
-    fast_input_grad = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.fast_input_grad)
+        return fp8_linear(x, self.weight)
 
 
-def fp8_gated_ffn(x: torch.Tensor, wi: torch.Tensor, wo: torch.Tensor, fast_input_grad: bool = False) -> torch.Tensor:
+def fp8_gated_ffn(x: torch.Tensor, wi: torch.Tensor, wo: torch.Tensor) -> torch.Tensor:
     """wo(gelu_tanh(wi_0 x) * wi_1 x) (`GatedGeluFFN` without dropout) in one op, `_ffn_forward`: the same values and
     gradients as fp8_linear, the gate kernel and fp8_linear again, without the two reductions that find max |x| of
     the gate's output and of its gradient. Needs `fp8_shapes_fit` for both weights."""
     device = x.device.type
     if torch.is_autocast_enabled(device):     # as fp8_linear
         x = x.to(torch.get_autocast_dtype(device))
-    return _ffn_forward(x, wi, wo, amax(x), amax(wi), amax(wo), fast_input_grad)[0]
+    return _ffn_forward(x, wi, wo, amax(x), amax(wi), amax(wo))[0]
 
 
 class Fp8GatedGeluFFN(GatedGeluFFN):
@@ -298,17 +294,14 @@ class Fp8GatedGeluFFN(GatedGeluFFN):
         if not fused:
             return super().forward(x)
         require_kernel_device("gated_gelu", x.device.type, instead="torch")
-        return fp8_gated_ffn(x, self.wi.weight, self.wo.weight, self.wi.fast_input_grad)
+        return fp8_gated_ffn(x, self.wi.weight, self.wo.weight)
 
 
-def convert_to_fp8(model: nn.Module, device: torch.device | str | None = None, fast_input_grad: bool = False
-                   ) -> list[str]:
+def convert_to_fp8(model: nn.Module, device: torch.device | str | None = None) -> list[str]:
     """Make every bias-free `nn.Linear` in the encoder and decoder blocks an `Fp8Linear` in place (the LM head, the
     embedding and attention's own products stay in bf16); returns their names. Call before `compile_regions()`.
     A UserError if `device` (default: where the model's parameters are) has no FP8 tensor cores.
-    Each feed-forward whose two linears it converts becomes an `Fp8GatedGeluFFN` (one op, the same values).
-    fast_input_grad: the input gradient's GEMM with fast accumulation, an experiment of the model benchmark (its
-    `-fastdx` variants); not a `pretrain` setting until its loss parity is measured."""
+    Each feed-forward whose two linears it converts becomes an `Fp8GatedGeluFFN` (one op, the same values)."""
     device = torch.device(device if device is not None else next(model.parameters()).device)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     require_fp8(device.type, capability, str(device))
@@ -316,7 +309,6 @@ def convert_to_fp8(model: nn.Module, device: torch.device | str | None = None, f
     for name, module in model.named_modules():
         if type(module) is nn.Linear and module.bias is None and name.startswith(CONVERTED_STACKS):
             module.__class__ = Fp8Linear
-            module.fast_input_grad = fast_input_grad
             names.append(name)
     for name, module in model.named_modules():
         if type(module) is GatedGeluFFN and f"{name}.wi" in names and f"{name}.wo" in names:

@@ -5,7 +5,6 @@ A variant is `hf` or `ours`, then the parts it adds, in this order:
   -flex|triton  our self-attention's kernel (`T5Config.attention`), else SDPA
   -perdiagonal  the position bias's gradient along every score tile's diagonals (saturate 0)
   -fp8          the blocks' linears as FP8 GEMMs (pretrain/model/fp8.py)
-  -fastdx       (with -fp8) their input gradient's GEMM with fast accumulation (`convert_to_fp8(fast_input_grad=)`)
   -torchgate    the gated GELU by torch's ops, not our fused kernel
   -cudagraphs   (with -compile) the blocks compiled with mode="reduce-overhead": Inductor's CUDA graphs per block
   -graphed      (bench_model_gpu only: its step, not the model) the whole step in one CUDA graph
@@ -46,7 +45,7 @@ def build_variant(variant: str, ours_cpu: T5Model, device: str, dtype: torch.dty
                 stack.relative_attention_bias.saturate = 0
         if "fp8" in parts(variant):
             from pretrain.model.fp8 import convert_to_fp8
-            convert_to_fp8(model, device, fast_input_grad="fastdx" in parts(variant))
+            convert_to_fp8(model, device)
     model = model.to(device=device, dtype=dtype).train()
     if "compile" in parts(variant):
         if variant.startswith("hf"):
