@@ -16,7 +16,9 @@ a smoke test.
 
 `--rounds N` separates a small difference from the drift between runs: every variant's model is built and warmed up
 once, then the variants are timed in turn N times (A B A B ...), `--steps` steps a round; ms/step is the median of a
-variant's round medians, min-max over them. Their models stay on the device together (peak memory: what each added).
+variant's round medians, min-max over them. Their models stay on the device together (peak memory: what each added;
+a -cudagraphs variant's graphs hold 33 GiB more at mt5-large batch 64, too much beside HF compiled's 82: time those
+two in separate runs, or without --rounds, where each variant's memory is given back before the next).
 
 `--batches 96 128 192 ...` also measures every variant at those batch sizes, in increasing order until one does not
 fit (a size whose peak memory, extrapolated from the sizes that fit, exceeds the device's is recorded as not
@@ -34,7 +36,6 @@ whole in one CUDA graph and replayed: a diagnostic of what the host's launches c
 do this); ours-compile-triton-perdiagonal (the attention's bias gradient summed along the diagonals of every score
 tile, as before score tiles in T5's last bucket were summed whole; the A/B of that); ours-compile-triton-fp8 (the
 blocks' linears as FP8 GEMMs, pretrain/model/fp8.py: `pretrain --precision fp8`; MFU still on the bf16 peak);
-ours-compile-triton-fp8-fastdx (the same with the input gradient's GEMM in cuBLAS's fast accumulation, an experiment);
 ours-compile-triton-fp8-graphed (FP8's step in one CUDA graph: what its launches cost the host, a diagnostic);
 ours-compile-triton-cudagraphs, ours-compile-triton-fp8-cudagraphs (the blocks compiled with mode="reduce-overhead").
 
@@ -47,6 +48,7 @@ every step runs them).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -66,7 +68,7 @@ from pretrain.model.variants import attention_of, build_variant, parts  # noqa: 
 
 VARIANTS = ("hf", "hf-compile", "ours", "ours-compile", "ours-compile-flex", "ours-compile-triton",
             "ours-compile-triton-torchgate", "ours-compile-triton-graphed", "ours-compile-triton-perdiagonal",
-            "ours-compile-triton-fp8", "ours-compile-triton-fp8-fastdx", "ours-compile-triton-fp8-graphed",
+            "ours-compile-triton-fp8", "ours-compile-triton-fp8-graphed",
             "ours-compile-triton-cudagraphs", "ours-compile-triton-fp8-cudagraphs")
 
 
@@ -292,12 +294,20 @@ def bench_variant(variant, ours_cpu, batch, args, flops_per_step, ceiling, peak)
     times, last_loss = time_steps(started["step"], args)
     if variant == args.profile:
         profile(started["step"], args, f"{ours_cpu.config.name}-{variant}")
-    row = row_of(variant, batch[0].shape[0], started, statistics.median(times), min(times), max(times), last_loss,
-                 args, flops_per_step, ceiling, peak)
-    del started
-    if args.device == "cuda":
+    return row_of(variant, batch[0].shape[0], started, statistics.median(times), min(times), max(times), last_loss,
+                  args, flops_per_step, ceiling, peak)
+
+
+def release(variants, device: str) -> None:
+    """Give back the memory the variants' models held, once they are dropped. The CUDA graphs of a -cudagraphs
+    variant (mode="reduce-overhead") keep their memory pools in Inductor's global state, which outlives the model:
+    33 GiB at mt5-large batch 64, so HF compiled timed after it in one process ran out of memory. Dynamo's reset frees
+    them (and drops every compiled graph: a variant timed after it compiles again, as a new model does anyway)."""
+    gc.collect()                                   # compiled modules sit in reference cycles
+    if any("cudagraphs" in parts(variant) for variant in variants):
+        torch._dynamo.reset()
+    if device == "cuda":
         torch.cuda.empty_cache()
-    return row
 
 
 def measure_rounds(preset, ours_cpu, largest, args, ceiling, peak, rows: list[dict]) -> None:
@@ -345,8 +355,7 @@ def measure_rounds(preset, ours_cpu, largest, args, ceiling, peak, rows: list[di
             rows[-1]["model"] = preset
             print(json.dumps(rows[-1]), flush=True)
         started.clear()
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+        release(args.variants, args.device)
 
 
 def round_detail(times: list[float], retried: int) -> str:
@@ -375,8 +384,7 @@ def measure(variant, ours_cpu, largest, size, args, ceiling, peak) -> dict:
     except Exception as err:
         return {"variant": variant, "batch": size, "error": failure(err)}
     finally:
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+        release([variant], args.device)
 
 
 def ms_spread(row: dict) -> str:
