@@ -27,6 +27,12 @@ class UserError(Exception):
     """An error the user can fix: printed as one line (no traceback) and the command exits with status 2."""
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (what Slurm's --cpus-per-task, taskset or a container
+    grant), not the host's count, which `os.cpu_count()` gives even inside a 4-core allocation of a 128-core node."""
+    return len(os.sched_getaffinity(0))
+
+
 def need(ok: bool, message: str) -> None:
     """Raise UserError(message) unless ok: a settings check, one line each."""
     if not ok:

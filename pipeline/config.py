@@ -8,10 +8,9 @@ A bad value raises `UserError` from `__post_init__`, one line naming the flag an
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from pipeline.common import UserError
+from pipeline.common import UserError, usable_cores
 from pipeline.settings import setting
 from pipeline.span_corruption import T5_MEAN_NOISE_SPAN_LENGTH, T5_NOISE_DENSITY, SpanSpec
 
@@ -42,7 +41,8 @@ class CorpusConfig:
     input: list[str] = setting(help=f"{INPUT_HELP} (required)")
     tokenizer: str = setting(help="tokenizer.json in the T5 layout (required)")
     out: str = setting(help="shard set directory (required)")
-    workers: int = setting(os.cpu_count() or 1, "Ray workers, the CPUs of the local cluster", default_text="all cores")
+    workers: int = setting(usable_cores(), "Ray workers, the CPUs of the local cluster",
+                           default_text="the cores this process may use")
     ray_address: str | None = setting(None, "an existing Ray cluster (default: start a local one)")
     text_field: str = text_field_setting()
     input_length: int = setting(512, "tokens per example input; the target length follows from T5's span arithmetic")

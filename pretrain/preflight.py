@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.common import UserError, sha256_file
+from pipeline.common import UserError, sha256_file, usable_cores
 from pretrain.ds_config import resolve_precision
 from pretrain.model.memory import GIB, estimate_memory
 
@@ -130,7 +129,7 @@ def check_fit(estimate: dict[str, Any], device: dict[str, Any], local_world_size
         host_need = estimate["per_cpu_gib"]
     else:   # CPU training: the ranks' model states and activations live in host memory too
         host_need = estimate["per_cpu_gib"] + estimate["per_gpu_gib"] * local_world_size
-        cores = len(os.sched_getaffinity(0))
+        cores = usable_cores()
         if local_world_size > cores:
             crowded = (f"{local_world_size} CPU ranks on this node but {cores} core(s): each rank would get less than "
                        f"a core and wait on the others (slow; a --rank-timeout may expire)")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from pipeline.common import REPO_ROOT
+from pipeline.common import REPO_ROOT, usable_cores
 
 SPAWNED_ENV = "T5ZERO_SPAWNED"   # set in ranks started by `--nproc`: the parent already ran the preflight
 LAUNCH_T0_ENV = "T5ZERO_LAUNCH_T0"  # time.time() when the spawning `pretrain` started: the start-up timeline's zero
@@ -189,7 +189,7 @@ def startup_threads(local_world_size: int, get_num_threads, set_num_threads) -> 
         yield None
         return
     before = get_num_threads()
-    threads = max(1, len(os.sched_getaffinity(0)) // (STARTUP_SHARE * max(1, local_world_size)))
+    threads = max(1, usable_cores() // (STARTUP_SHARE * max(1, local_world_size)))
     set_num_threads(min(before, threads))
     try:
         yield min(before, threads)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any, Iterator
 import torch
 from torch.profiler import record_function
 
-from pipeline.common import REPO_ROOT, UserError, atomic_write_json
+from pipeline.common import REPO_ROOT, UserError, atomic_write_json, usable_cores
 from pretrain import checkpoint as ckpt
 from pretrain.anomalies import DEBUG_SPIKE_FACTOR, MAX_ROLLBACKS, StepGuard
 from pretrain.ranks import RESUMABLE_EXIT, heartbeat, launch_t0, preemption, startup_threads
@@ -78,7 +77,7 @@ def init_rank(local_rank: int, local_world_size: int, log_level: int = logging.W
         target.setLevel(log_level)
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world_size)))
+        torch.set_num_threads(max(1, usable_cores() // max(1, local_world_size)))
         # DeepSpeed JIT-compiles a shared-memory all-reduce op on CPU (~1 min, needs a C++ compiler) that only
         # its inference all-reduce uses; training never calls it, so mark it unavailable and skip the build.
         compatible = getattr(deepspeed.ops, "__compatible_ops__", None)

@@ -163,3 +163,14 @@ def test_the_demo_prep_config_gives_the_online_loader_a_unit_per_rank_and_worker
     config = _corpus_config(["--input", str(path), "--tokenizer", "t.json", "--out", "o",
                              "--config", str(REPO_ROOT / "configs" / "prep" / "sample.yaml")])
     assert len(plan_units(discover_inputs([str(path)]), config.unit_bytes)) >= 2 * 2
+
+
+def test_the_default_worker_count_is_the_cores_this_process_may_use_not_the_hosts(tmp_path):
+    """Under Slurm (--cpus-per-task) or taskset a job sees the node's every core in os.cpu_count(); the defaults that
+    size Ray's workers and a CPU rank's threads follow the affinity instead."""
+    script = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+              "from pipeline.common import usable_cores\n"
+              "from pipeline.config import CorpusConfig\n"
+              "print(usable_cores(), CorpusConfig.__dataclass_fields__['workers'].default)\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "1"]
