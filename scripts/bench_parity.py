@@ -10,14 +10,19 @@ linear warmup of 50 steps (the trainer's LRSchedule, constant), gradient-norm cl
 autocast on CUDA, plain fp32 on CPU (`--precision` overrides). Variants: ours (eager), ours-compile
 (`T5Model.compile_regions`), both with `attention: sdpa`; hf (eager), hf-compile (`torch.compile` of the whole HF
 model, dynamic=False), and when named, ours-compile-flex and ours-compile-triton (ours compiled with `attention: flex`
-or `attention: triton`, docs/model.md; CUDA only).
+or `attention: triton`, docs/model.md; CUDA only), with -fp8 (`--precision fp8`) or -cudagraphs (`--cudagraphs`).
 
 `--pretrain` runs `pretrain` itself instead (DeepSpeed, bf16 parameters, ZeRO 2 on one process, the same data,
 seed and schedule; its spike guard off, see run_pretrain; the model's default attention, `auto`: FlexAttention on a
 GPU), once without and once with `--compile` (and, when named, pretrain-compile-fused: `--compile --optimizer-step
-fused`, docs/pretrain.md), and tabulates
+fused`, docs/pretrain.md; -fp8, -cudagraphs likewise: each part of the name one flag), and tabulates
 their metrics.jsonl losses the same way (variants pretrain, pretrain-compile; HF is not in this mode, its
 reference is the eager run).
+
+`--repeats N` runs every (seed, variant) N times (VARIANT#2, ... as columns of their own) and adds each variant's
+same-code spread: how far two runs of the same code and seed drift apart (atomics, kernel choices). That is the
+noise a gap between two variants is judged against where no HF pair is the reference, e.g. FP8 with and without
+`--cudagraphs`: `--variants ours-compile-triton-fp8 ours-compile-triton-fp8-cudagraphs --repeats 2`.
 
 Printed (and written to OUT/parity.md, the curves to OUT/parity.png, every loss to OUT/parity.json): the mean
 loss of each variant per window of `--window` steps, each variant's last window against the reference (HF eager,
@@ -59,12 +64,27 @@ from pretrain.trainer import LRSchedule  # noqa: E402
 
 VARIANTS = ("ours", "ours-compile", "hf", "hf-compile")
 OPT_IN_VARIANTS = ("ours-compile-flex", "ours-compile-triton", "ours-compile-triton-perdiagonal",
-                   "ours-compile-triton-fp8")   # named in --variants only: `attention: flex` or `triton`,
+                   "ours-compile-triton-fp8", "ours-compile-triton-cudagraphs",
+                   "ours-compile-triton-fp8-cudagraphs")   # named in --variants only: `attention: flex` or `triton`,
 # compiled (CUDA: FlexAttention has no CPU backward, our Triton kernels run on CPU only interpreted); -perdiagonal:
 # the bias gradient of every score tile along its diagonals (saturate 0); -fp8: the blocks' linears as FP8 GEMMs
-# (pretrain/model/fp8.py)
+# (pretrain/model/fp8.py); -cudagraphs: the blocks as CUDA graphs (`pretrain --cudagraphs`)
 PRETRAIN_VARIANTS = ("pretrain", "pretrain-compile")
-PRETRAIN_OPT_IN = ("pretrain-compile-fused",)   # named in --variants only: --compile --optimizer-step fused
+PRETRAIN_OPT_IN = ("pretrain-compile-fused", "pretrain-compile-cudagraphs", "pretrain-compile-fp8",
+                   "pretrain-compile-fp8-cudagraphs")   # named in --variants only; each part a flag (PRETRAIN_FLAGS)
+PRETRAIN_FLAGS = {"compile": ["--compile"], "fused": ["--optimizer-step", "fused"], "fp8": ["--precision", "fp8"],
+                  "cudagraphs": ["--cudagraphs"]}
+REPEAT = "#"     # `--repeats`: VARIANT#2 is VARIANT's second run of the same seed
+
+
+def base_variant(variant: str) -> str:
+    """The variant a run is of: `ours-compile#2` (a repeat, --repeats) is `ours-compile`."""
+    return variant.split(REPEAT)[0]
+
+
+def run_name(variant: str) -> str:
+    """A run's name in OUT/runs: `ours-compile#2` is `ours-compile-run2`."""
+    return variant.replace(REPEAT, "-run")
 
 
 def batches(dataset: ShardDataset, batch: int, seed: int, steps: int, device: str):
@@ -80,6 +100,7 @@ def batches(dataset: ShardDataset, batch: int, seed: int, steps: int, device: st
 def train_variant(variant: str, ours_cpu: T5Model, data, args) -> dict:
     """Losses and grad norms of `args.steps` steps of `variant` (torch AdamW, warmup + constant lr, clip)."""
     model = build_variant(variant, ours_cpu, args.device, torch.float32)
+    graphs = "cudagraphs" in variant.split("-")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     schedule = LRSchedule("constant", args.warmup, args.steps, 1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -87,6 +108,8 @@ def train_variant(variant: str, ours_cpu: T5Model, data, args) -> dict:
     losses, grad_norms = [], []
     start = time.perf_counter()
     for input_ids, labels in data:
+        if graphs:          # a new step: the blocks' graphs may reuse the last step's memory (as pretrain's loop)
+            torch.compiler.cudagraph_mark_step_begin()
         optimizer.zero_grad(set_to_none=True)
         with autocast:
             if variant.startswith("hf"):
@@ -113,25 +136,30 @@ def run_pretrain(variant: str, seed: int, args) -> dict:
     in one variant and not in the other changes its curve for a reason that is not the kernels (on the H200 at lr
     5e-4, clip 1.0, 6 sigma skipped 0-3 steps per run, and three in a row stopped a run). The run's directory is
     scratch: what is left of an earlier, unfinished attempt is removed first (pretrain refuses a used --out)."""
-    out = Path(args.out) / "runs" / f"{variant}-seed{seed}"
+    out = Path(args.out) / "runs" / f"{run_name(variant)}-seed{seed}"
     if out.exists():
         shutil.rmtree(out)
-    command = [sys.executable, "-m", "pretrain.cli", "--zero", "2", "--model", args.model, "--data", args.data,
-               "--out", str(out), "--steps", str(args.steps), "--micro-batch", str(args.batch),
-               "--global-batch", str(args.batch), "--lr", str(args.lr), "--warmup-steps", str(args.warmup),
-               "--schedule", "constant", "--grad-clip", str(args.clip), "--weight-decay", "0", "--seed", str(seed),
-               "--precision", args.precision, "--no-save-final", "--log-every", str(args.window), "--nproc", "1",
-               "--spike-sigmas", "0"]
-    if variant.startswith("pretrain-compile"):
-        command.append("--compile")
-    if variant == "pretrain-compile-fused":
-        command += ["--optimizer-step", "fused"]
+    command = pretrain_command(variant, seed, out, args)
     print(" ".join(command), flush=True)
     start = time.perf_counter()
     subprocess.run(command, check=True, cwd=Path(__file__).resolve().parents[1])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {"losses": [r["loss"] for r in records], "grad_norms": [r.get("grad_norm") for r in records],
             "seconds": time.perf_counter() - start}
+
+
+def pretrain_command(variant: str, seed: int, out: Path, args) -> list[str]:
+    """The `pretrain` command line of one --pretrain run: the shared settings, then a flag per part of the variant's
+    name (PRETRAIN_FLAGS; a later --precision, fp8's, wins over the first)."""
+    command = [sys.executable, "-m", "pretrain.cli", "--zero", "2", "--model", args.model, "--data", args.data,
+               "--out", str(out), "--steps", str(args.steps), "--micro-batch", str(args.batch),
+               "--global-batch", str(args.batch), "--lr", str(args.lr), "--warmup-steps", str(args.warmup),
+               "--schedule", "constant", "--grad-clip", str(args.clip), "--weight-decay", "0", "--seed", str(seed),
+               "--precision", args.precision, "--no-save-final", "--log-every", str(args.window), "--nproc", "1",
+               "--spike-sigmas", "0"]
+    for part in base_variant(variant).split("-")[1:]:
+        command += PRETRAIN_FLAGS[part]
+    return command
 
 
 @functools.lru_cache(maxsize=None)
@@ -165,7 +193,7 @@ def run_pool(runs: list[tuple[int, str]], args, report) -> dict[int, dict]:
 
     def one(run: tuple[int, str]) -> tuple[int, str, dict]:
         seed, variant = run
-        result, log = pool_dir / f"{variant}-seed{seed}.json", pool_dir / f"{variant}-seed{seed}.log"
+        result, log = (pool_dir / f"{run_name(variant)}-seed{seed}.{suffix}" for suffix in ("json", "log"))
         if result.is_file():
             earlier = json.loads(result.read_text())
             if earlier.get("settings") == run_settings(args, seed, variant):
@@ -245,8 +273,33 @@ def tabulate(results: dict, variants: list[str], reference: str, window: int, st
                          lambda v: str(summary["windows_outside_spread"][v])))
         note = (f"\n\nnoise reference: HF compiled vs HF eager, per-window max |diff| over {len(starts)} windows x "
                 f"{len(seeds)} seed(s): {spread.max():.4f} (mean {spread.mean():.4f})")
+    spreads = same_code_spreads(results, variants, window)
+    if spreads:
+        summary["same_code_spread"] = spreads
+        bound = {v: max(spreads.get(base_variant(v), 0.0), spreads.get(base_variant(reference), 0.0)) for v in others}
+        summary["windows_outside_same_code_spread"] = {v: int((np.abs(gaps[v]) > bound[v]).sum()) for v in others}
+        lines.append(row(f"windows outside the same-code spread (of {gaps[reference].size})",
+                         lambda v: str(summary["windows_outside_same_code_spread"][v])))
+        note += (f"\n\nsame-code spread (--repeats): per-window max |diff| between runs of one variant and seed, "
+                 f"{len(starts)} windows x {len(seeds)} seed(s): "
+                 + ", ".join(f"{v} {spread:.4f}" for v, spread in spreads.items())
+                 + "; a gap counts as outside where it exceeds the larger spread of its variant and the reference")
     text = "\n".join(lines) + note
     return text, summary
+
+
+def same_code_spreads(results: dict, variants: list[str], window: int) -> dict[str, float]:
+    """Per variant run more than once (--repeats): the largest |diff| of a window mean between its first run and
+    another run of the same seed, over every window and seed: what the same code does twice (atomics, kernel
+    choices), the noise a gap between two variants is measured against."""
+    spreads = {}
+    for variant in dict.fromkeys(base_variant(v) for v in variants):
+        repeats = [v for v in variants if v != variant and base_variant(v) == variant]
+        if variant in variants and repeats:
+            spreads[variant] = max(float(np.abs(np.subtract(window_means(results[s][r]["losses"], window),
+                                                            window_means(results[s][variant]["losses"], window))).max())
+                                   for s in results for r in repeats)
+    return spreads
 
 
 def plot(results: dict, variants: list[str], reference: str, window: int, spread: float | None, path: Path) -> None:
@@ -294,21 +347,26 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", required=True, help="shard set written by `prep corpus`")
     parser.add_argument("--model", default="t5-v1_1-base", help="model preset (configs/models/*.yaml)")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS + OPT_IN_VARIANTS + PRETRAIN_VARIANTS + PRETRAIN_OPT_IN,
-                        metavar="VARIANT", help=f"any of {', '.join(VARIANTS)} (default all) and "
+    parser.add_argument("--variants", nargs="+", metavar="VARIANT",
+                        help=f"any of {', '.join(VARIANTS)} (default all) and "
                              f"{', '.join(OPT_IN_VARIANTS)} (CUDA), or with --pretrain of "
                              f"{', '.join(PRETRAIN_VARIANTS)} (default both) and {', '.join(PRETRAIN_OPT_IN)}")
     parser.add_argument("--pretrain", action="store_true", help="run `pretrain` (DeepSpeed ZeRO 2) eager and --compile")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="init and data-order seeds")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each (seed, variant): the second is VARIANT#2, a column of its own, and the "
+                             "table adds each variant's same-code spread (max |diff| between its runs of one seed), "
+                             "the noise its gap to another variant is measured against (default 1)")
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--warmup", type=int, default=50, help="linear warmup steps, then constant")
     parser.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip")
     parser.add_argument("--window", type=int, default=50, help="steps per window of the table")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
-                        help="auto: bf16 (autocast, fp32 parameters; with --pretrain bf16 parameters) on CUDA, fp32 on CPU")
+                        help="auto: bf16 (autocast, fp32 parameters; with --pretrain bf16 parameters) on CUDA, "
+                             "fp32 on CPU")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_parity_out"))
     parser.add_argument("--jobs", type=int, default=1,
                         help="(seed, variant) runs at once, each its own process on the same device (default 1: one "
@@ -342,9 +400,13 @@ def main() -> int:
     default = PRETRAIN_VARIANTS if args.pretrain else VARIANTS
     allowed = default + (PRETRAIN_OPT_IN if args.pretrain else OPT_IN_VARIANTS)
     variants = args.variants or list(default)
-    if set(variants) - set(allowed):
+    if {base_variant(v) for v in variants} - set(allowed):
         parser.error(f"--variants {' '.join(variants)}: {'with' if args.pretrain else 'without'} --pretrain the "
                      f"variants are {', '.join(allowed)}")
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: give 1 or more")
+    if not args.result:      # a pool's run (--result) is one named run, a repeat's name included
+        variants = [f"{v}{REPEAT}{k}" if k > 1 else v for v in variants for k in range(1, args.repeats + 1)]
     reference = "pretrain" if args.pretrain else ("hf" if "hf" in variants else variants[0])
     mode = (f"pretrain (DeepSpeed ZeRO 2, {args.precision} parameters)" if args.pretrain else
             "bf16 autocast, fp32 parameters" if args.precision == "bf16" else "fp32")
@@ -365,7 +427,7 @@ def main() -> int:
         if args.pretrain:
             return run_pretrain(variant, seed, args)
         data = batches(dataset, args.batch, seed, args.steps, args.device)
-        return train_variant(variant, initial_model(seed), data, args)
+        return train_variant(base_variant(variant), initial_model(seed), data, args)
 
     if args.result:                  # one run of a --jobs pool: its losses to a file, no table
         finished = {**run_one(args.seeds[0], variants[0]), "settings": run_settings(args, args.seeds[0], variants[0])}

@@ -65,3 +65,41 @@ def test_pretrain_mode_replaces_an_unfinished_run_and_turns_the_spike_guard_off(
     assert [r["step"] for r in records] == [1, 2, 3]
     assert json.loads((stale / "config.json").read_text())["train"]["spike_sigmas"] == 0
     assert json.loads((out / "runs" / "pretrain-seed0.json").read_text())["settings"]["spike_sigmas"] == 0
+
+
+def test_repeats_measure_the_same_code_spread(tiny_shards, tmp_path):
+    """--repeats 2: each variant runs twice per seed (its own process under --jobs, its own result file), the second
+    as a column of its own, and the table gives the spread between the two. Eager on the CPU is deterministic, so
+    the two runs of `ours` agree exactly and the spread is 0."""
+    out = tmp_path / "parity"
+    command = [sys.executable, str(SCRIPT), "--data", str(tiny_shards), "--model", "t5-tiny", "--batch", "4",
+               "--steps", "4", "--window", "2", "--seeds", "0", "--variants", "ours", "--repeats", "2",
+               "--device", "cpu", "--jobs", "2", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "| loss, mean of steps | ours | ours#2 |" in (out / "parity.md").read_text()
+    summary = json.loads((out / "parity.json").read_text())["summary"]
+    assert summary["same_code_spread"] == {"ours": 0.0}
+    assert summary["windows_outside_same_code_spread"] == {"ours#2": 0}
+    first, second = (json.loads((out / "runs" / f"{name}-seed0.json").read_text()) for name in ("ours", "ours-run2"))
+    assert first["losses"] == second["losses"] and second["settings"]["variant"] == "ours#2"
+
+
+def test_a_pretrain_variant_is_a_flag_per_part_of_its_name():
+    """--pretrain's variant names become pretrain's flags, as pretrain itself reads them: fp8's --precision wins over
+    the shared one."""
+    import importlib.util
+    from pretrain.cli import resolve_config
+    spec = importlib.util.spec_from_file_location("bench_parity", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = module.argparse.Namespace(model="t5-tiny", data="SHARDS", steps=3, batch=4, lr=5e-4, warmup=1, clip=1.0,
+                                     precision="bf16", window=1)
+    for variant, precision, compiled, graphs, step in (
+            ("pretrain", "bf16", False, False, "auto"),
+            ("pretrain-compile-fp8-cudagraphs#2", "fp8", True, True, "auto"),
+            ("pretrain-compile-fused", "bf16", True, False, "fused")):
+        command = module.pretrain_command(variant, 0, Path("RUN"), args)
+        config = resolve_config(command[3:])             # after python -m pretrain.cli
+        assert (config.precision, config.compile, config.cudagraphs, config.optimizer_step) == (
+            precision, compiled, graphs, step), variant
