@@ -3,9 +3,10 @@
     log = MetricsLog(run_dir, resume_from_step=0, enabled=rank == 0); log.write(record); log.close()
 
 A step's record (DESIGN.md "Trainer"): step, loss, lr, step_time_s, data_wait_s, compute_s, tokens,
-tokens_per_s, samples_per_s, tflops_per_gpu, mfu, peak_mem_gib, zero_stage, offload, world_size,
-micro_batch, grad_accum, loader_workers (+ consumed_samples, batch_checksum, grad_norm, skipped: null or why the
-update was skipped, global_batch: the 1-based global batch read; a rollback adds an event line), loader (the mode)
+tokens_per_s, samples_per_s, tflops_per_gpu, mfu, peak_mem_gib, peak_reserved_gib (GPU; null on CPU), zero_stage,
+offload, world_size, micro_batch, grad_accum, loader_workers (+ consumed_samples, batch_checksum, grad_norm, skipped:
+null or why the update was skipped, global_batch: the 1-based global batch read; a rollback adds an event line),
+loader (the mode)
 and rank 0's host accounting (pretrain.hostcpu.HOST_KEYS: CPU seconds by role, loader cores and busy share, the
 workers' RSS; their medians go into summary.json with time_to_first_batch_s). data_wait_s is
 the time the step spent blocked in next(loader), summed over its micro-batches; compute_s the rest;
@@ -37,8 +38,8 @@ PEAK_TFLOPS = {"H200": {"bf16": 989.4, "fp32": 67.0}, "H100": {"bf16": 989.4, "f
                "A100": {"bf16": 312.0, "fp32": 19.5}}
 PHASE_KEYS = ("forward_s", "backward_s", "optimizer_s")
 STEP_KEYS = ("step", "loss", "lr", "step_time_s", "data_wait_s", "compute_s", *PHASE_KEYS, "tokens", "tokens_per_s",
-             "samples_per_s", "tflops_per_gpu", "mfu", "peak_mem_gib", "zero_stage", "offload", "world_size",
-             "micro_batch", "grad_accum", "loader_workers", "loader", *HOST_KEYS)
+             "samples_per_s", "tflops_per_gpu", "mfu", "peak_mem_gib", "peak_reserved_gib", "zero_stage", "offload",
+             "world_size", "micro_batch", "grad_accum", "loader_workers", "loader", *HOST_KEYS)
 
 
 class PhaseClock:
@@ -225,6 +226,8 @@ def summarize(records: list[dict[str, Any]], *, steady_skip: int, status: str, *
         "median": {key: figures[key] for key in STEP_FIGURES},
         "data_wait_share": figures["data_wait_share"],
         "peak_mem_gib": max((r["peak_mem_gib"] for r in records), default=None),
+        "peak_reserved_gib": max((r["peak_reserved_gib"] for r in records if r.get("peak_reserved_gib") is not None),
+                                 default=None),
     }
     if step_time and data_wait is not None:
         summary["median"]["data_wait_share"] = data_wait / step_time

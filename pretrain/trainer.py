@@ -503,10 +503,14 @@ class Trainer:
             "resumed_from": self.resumed_from, "start_step": self.start_step,
         })
 
-    def _peak_mem_gib(self) -> float:
+    def _peak_mem_gib(self) -> tuple[float, float]:
+        """(peak memory, peak reserved): on CPU the process's peak RSS, and 0 (no allocator's reserve to tell); on
+        a GPU torch's peak allocated and peak reserved. Reserved holds the allocator's cached blocks and CUDA graphs'
+        private pools (--cudagraphs), whose replays allocate nothing: what the device gives the process."""
         if self.on_cpu:
-            return host_peak_rss_gib()
-        return torch.cuda.max_memory_allocated(self.device) / (1 << 30)
+            return host_peak_rss_gib(), 0.0
+        return (torch.cuda.max_memory_allocated(self.device) / (1 << 30),
+                torch.cuda.max_memory_reserved(self.device) / (1 << 30))
 
     # -- the loop ------------------------------------------------------------------------------------------------
 
@@ -568,7 +572,7 @@ class Trainer:
             host = self.host.end_step(step_time_s)      # rank 0's process tree (pretrain.hostcpu)
             if self.profiler is not None:
                 self.profiler.after_step(step)
-            peak = torch.tensor([self._peak_mem_gib()], dtype=torch.float64, device=self.device)
+            peak = torch.tensor(self._peak_mem_gib(), dtype=torch.float64, device=self.device)
             torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
             grad_norm = self.pending["grad_norm"]
             tflops_per_gpu = self.step_flops / step_time_s / self.world_size / 1e12
@@ -579,7 +583,8 @@ class Trainer:
                 "tokens": self.tokens_per_step, "tokens_per_s": self.tokens_per_step / step_time_s,
                 "samples_per_s": self.global_batch / step_time_s, "tflops_per_gpu": tflops_per_gpu,
                 "mfu": tflops_per_gpu / self.peak_tflops if self.peak_tflops else None,
-                "peak_mem_gib": float(peak[0]), "zero_stage": config.zero, "offload": config.offload,
+                "peak_mem_gib": float(peak[0]), "peak_reserved_gib": None if self.on_cpu else float(peak[1]),
+                "zero_stage": config.zero, "offload": config.offload,
                 "world_size": self.world_size, "micro_batch": config.micro_batch, "grad_accum": self.grad_accum,
                 "loader_workers": config.loader_workers,
                 "consumed_samples": self.loader.state_dict()["consumed_samples"],
@@ -709,5 +714,7 @@ def final_summary_line(summary: dict[str, Any]) -> str:
     return (f"[done] {summary['status']}: step {summary['steps']}/{summary['total_steps']}, final loss "
             f"{'not finite' if loss is None else f'{loss:.4f}'}; median {median['tokens_per_s'] or 0:,.0f} tok/s, "
             f"{median['tflops_per_gpu'] or 0:.3f} TFLOP/s per device, MFU {mfu}, data-wait "
-            f"{100 * (share or 0):.2f}%, peak mem {summary['peak_mem_gib']:.2f} GiB (estimate "
+            f"{100 * (share or 0):.2f}%, peak mem {summary['peak_mem_gib']:.2f} GiB"
+            + (f", {summary['peak_reserved_gib']:.2f} reserved" if summary.get("peak_reserved_gib") is not None else "")
+            + f" (estimate "
             f"{summary['memory_estimate']['per_gpu_gib']:.2f} GiB per device), {summary['wall_s']:.0f} s")

@@ -35,13 +35,13 @@ FINISHED_STATUSES = ("ok", "failed", "oom", "timeout")
 HOST_COLUMNS = HOST_KEYS      # rank 0's host accounting, medians over the steady steps (pretrain.hostcpu)
 METRIC_COLUMNS = ("repeat", "global_batch", "grad_accum", "steps", "status", "reason", "steps_done", "steps_measured",
                   "tokens_per_s", "tokens_per_s_spread", "samples_per_s", "tflops_per_gpu", "mfu", "step_time_s",
-                  "data_wait_s", "compute_s", *PHASE_KEYS, "data_wait_share", "peak_mem_gib", "est_gpu_gib", "est_cpu_gib",
-                  "est_method", "wall_s", *HOST_COLUMNS)
+                  "data_wait_s", "compute_s", *PHASE_KEYS, "data_wait_share", "peak_mem_gib", "peak_reserved_gib",
+                  "est_gpu_gib", "est_cpu_gib", "est_method", "wall_s", *HOST_COLUMNS)
 """The columns after the axes; a TrainConfig field among them (steps, global_batch) is typed as the field."""
 INT_COLUMNS = {"repeat", "grad_accum", "steps_done", "steps_measured"}
 FLOAT_COLUMNS = {"tokens_per_s", "tokens_per_s_spread", "samples_per_s", "tflops_per_gpu", "mfu", "step_time_s",
-                 "data_wait_s", "compute_s", *PHASE_KEYS, "data_wait_share", "peak_mem_gib", "est_gpu_gib", "est_cpu_gib", "wall_s",
-                 *HOST_COLUMNS}
+                 "data_wait_s", "compute_s", *PHASE_KEYS, "data_wait_share", "peak_mem_gib", "peak_reserved_gib",
+                 "est_gpu_gib", "est_cpu_gib", "wall_s", *HOST_COLUMNS}
 TEXT_COLUMNS = {"reason", "est_method"}     # empty reads back as "", not None
 _SETTINGS = field_names(TrainConfig)
 
@@ -113,8 +113,9 @@ def summarize_metrics(metrics: list[dict[str, Any]], skip_steps: int) -> dict[st
     if not steady:
         return out
     out.update(steady_state_figures(steady))
-    peaks = [float(m["peak_mem_gib"]) for m in metrics if m.get("peak_mem_gib") is not None]
-    out["peak_mem_gib"] = max(peaks) if peaks else None
+    for key in ("peak_mem_gib", "peak_reserved_gib"):
+        peaks = [float(m[key]) for m in metrics if m.get(key) is not None]
+        out[key] = max(peaks) if peaks else None
     out["grad_accum"] = steady[-1].get("grad_accum")
     return out
 

@@ -132,7 +132,11 @@ def test_steady_state_medians_leave_out_the_warmup_steps():
     assert medians["tokens_per_s"] == 110.0 and medians["step_time_s"] == 1.0
     assert medians["data_wait_share"] == pytest.approx(0.6 / 4.0)  # total wait / total step time, steps 2-4
     assert medians["peak_mem_gib"] == 3.0                          # the peak over every step, warm-up included
+    assert medians["peak_reserved_gib"] is None                    # a CPU run records none
     assert (medians["steps_done"], medians["steps_measured"], medians["grad_accum"]) == (4, 3, 2)
+    for m, reserved in zip(metrics, (5.0, 4.0, 6.0, 3.0)):        # a GPU run: the allocator's reserve beside it
+        m["peak_reserved_gib"] = reserved
+    assert results.summarize_metrics(metrics, skip_steps=1)["peak_reserved_gib"] == 6.0
 
 
 

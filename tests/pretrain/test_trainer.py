@@ -183,6 +183,7 @@ def test_metrics_config_summary_and_checkpoints(runs):
         assert record["tokens"] == 16 * (128 + 29)
         assert record["tokens_per_s"] == pytest.approx(record["tokens"] / record["step_time_s"])
         assert record["tflops_per_gpu"] > 0 and record["mfu"] is None and record["peak_mem_gib"] > 0
+        assert record["peak_reserved_gib"] is None            # the allocator's reserve: GPU only
     assert [r["consumed_samples"] for r in ref] == [16 * s for s in range(1, STEPS + 1)]
     lrs = [r["lr"] for r in ref]
     assert lrs[0] == pytest.approx(3e-3) and lrs == sorted(lrs, reverse=True) and lrs[-1] < lrs[0]
