@@ -306,6 +306,9 @@ def release(variants, device: str) -> None:
     gc.collect()                                   # compiled modules sit in reference cycles
     if any("cudagraphs" in parts(variant) for variant in variants):
         torch._dynamo.reset()
+        if device == "cuda":       # torch 2.13's reset does this itself; said outright for older releases
+            from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+            reset_cudagraph_trees()
     if device == "cuda":
         torch.cuda.empty_cache()
 
