@@ -211,6 +211,12 @@ def steady_state_figures(steady: list[dict[str, Any]]) -> dict[str, Any]:
     return figures
 
 
+def largest_peak(records: list[dict[str, Any]], key: str) -> float | None:
+    """The largest of the steps' `key` (peak_mem_gib, peak_reserved_gib: each step's peak so far), over every step,
+    warm-up included; None where no step has one (peak_reserved_gib on CPU)."""
+    return max((float(r[key]) for r in records if r.get(key) is not None), default=None)
+
+
 def summarize(records: list[dict[str, Any]], *, steady_skip: int, status: str, **extra: Any) -> dict[str, Any]:
     """summary.json: status, steps, and medians over the steady-state steps (the first `steady_skip`
     steps of this launch and the steps run under the profiler left out, at least one step kept)."""
@@ -225,9 +231,8 @@ def summarize(records: list[dict[str, Any]], *, steady_skip: int, status: str, *
         "final_loss": records[-1]["loss"] if records else None,
         "median": {key: figures[key] for key in STEP_FIGURES},
         "data_wait_share": figures["data_wait_share"],
-        "peak_mem_gib": max((r["peak_mem_gib"] for r in records), default=None),
-        "peak_reserved_gib": max((r["peak_reserved_gib"] for r in records if r.get("peak_reserved_gib") is not None),
-                                 default=None),
+        "peak_mem_gib": largest_peak(records, "peak_mem_gib"),
+        "peak_reserved_gib": largest_peak(records, "peak_reserved_gib"),
     }
     if step_time and data_wait is not None:
         summary["median"]["data_wait_share"] = data_wait / step_time

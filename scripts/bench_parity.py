@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pretrain.data.dataset import ShardDataset  # noqa: E402
 from pretrain.data.sampler import GlobalOrderSampler  # noqa: E402
 from pretrain.model.t5 import T5Model, build, resolve_config  # noqa: E402
-from pretrain.model.variants import build_variant  # noqa: E402
+from pretrain.model.variants import build_variant, parts  # noqa: E402
 from pretrain.preflight import resolve_vocab_size  # noqa: E402
 from pretrain.trainer import LRSchedule  # noqa: E402
 
@@ -100,7 +100,7 @@ def batches(dataset: ShardDataset, batch: int, seed: int, steps: int, device: st
 def train_variant(variant: str, ours_cpu: T5Model, data, args) -> dict:
     """Losses and grad norms of `args.steps` steps of `variant` (torch AdamW, warmup + constant lr, clip)."""
     model = build_variant(variant, ours_cpu, args.device, torch.float32)
-    graphs = "cudagraphs" in variant.split("-")
+    graphs = "cudagraphs" in parts(variant)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     schedule = LRSchedule("constant", args.warmup, args.steps, 1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -157,7 +157,7 @@ def pretrain_command(variant: str, seed: int, out: Path, args) -> list[str]:
                "--schedule", "constant", "--grad-clip", str(args.clip), "--weight-decay", "0", "--seed", str(seed),
                "--precision", args.precision, "--no-save-final", "--log-every", str(args.window), "--nproc", "1",
                "--spike-sigmas", "0"]
-    for part in base_variant(variant).split("-")[1:]:
+    for part in parts(base_variant(variant))[1:]:
         command += PRETRAIN_FLAGS[part]
     return command
 

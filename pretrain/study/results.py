@@ -22,7 +22,7 @@ from pipeline.common import UserError, atomic_write_bytes, writing
 from pipeline.settings import field_names, setting_type
 from pretrain.config import TrainConfig
 from pretrain.hostcpu import HOST_KEYS
-from pretrain.metrics import PHASE_KEYS, read_metrics, steady_state_figures
+from pretrain.metrics import PHASE_KEYS, largest_peak, read_metrics, steady_state_figures
 from pretrain.study import plots, report
 from pretrain.study.grid import CLASSIC_AXES, REPEAT_SUFFIX
 
@@ -114,8 +114,7 @@ def summarize_metrics(metrics: list[dict[str, Any]], skip_steps: int) -> dict[st
         return out
     out.update(steady_state_figures(steady))
     for key in ("peak_mem_gib", "peak_reserved_gib"):
-        peaks = [float(m[key]) for m in metrics if m.get(key) is not None]
-        out[key] = max(peaks) if peaks else None
+        out[key] = largest_peak(metrics, key)
     out["grad_accum"] = steady[-1].get("grad_accum")
     return out
 
