@@ -46,10 +46,11 @@ def _positive_ints(text: str) -> tuple[int, ...]:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     """Find the fastest pretrain configuration for one model, machine and global batch: enumerate the space (ZeRO
-    stage, offload, micro batch, activation checkpointing, loader and workers, CPU-Adam threads; narrowed by
-    --space and --set), prune what the calibrated memory estimate says cannot fit, rank the rest by a cost model
-    refitted after every measurement, and measure in rank order with short real launches (successive halving)
-    until --budget-s or until no candidate left can beat the best by the noise. Writes DIR/best.yaml
+    stage, offload, micro batch, activation checkpointing, loader and workers, CPU-Adam threads, and on GPUs with
+    --set compile=true the blocks as CUDA graphs; narrowed by --space and --set), prune what the calibrated memory
+    estimate says cannot fit, rank the rest by a cost model refitted after every measurement, and measure in rank
+    order with short real launches (successive halving) until --budget-s or until no candidate left can beat the
+    best by the noise. Writes DIR/best.yaml
     (`pretrain --config DIR/best.yaml`), tune.md, tune.json and plots. A rerun of the same command continues.
     """
     from pretrain.study.tune import TuneOptions, run_tune

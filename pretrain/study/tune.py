@@ -1,5 +1,6 @@
 """`study tune`: the fastest `pretrain` configuration for one model, machine and global batch, found by measuring
-few candidates of a space (ZeRO stage, offload, micro batch, activation checkpointing, loader, CPU-Adam threads).
+few candidates of a space (ZeRO stage, offload, micro batch, activation checkpointing, loader, CPU-Adam threads;
+on GPUs, with the blocks compiled, CUDA graphs).
 
     study tune --model t5-tiny --data shards/demo --nproc 1 --global-batch 16 --budget-s 600 --out tunes/tiny
 
@@ -37,12 +38,15 @@ from pretrain.study.grid import AXIS_NAMES, GRID_KEYS, SKIP_STEPS_KEY, StudyGrid
 from pretrain.study.results import result_row
 from pretrain.study.runner import Sweep, machine_info, new_counts, run_points
 from pretrain.study.tune_compare import compare_with_grid, grid_rows
-from pretrain.study.tune_model import Calibration, CostModel, Shape
+from pretrain.study.tune_model import Calibration, CostModel, Shape, calibration_peak, memory_setting
 
 TUNE_FILE = "tune.json"
 SPACE_FILE = "space.yaml"
 WORKER_CHOICES = (0, 1, 2, 4, 8)
 FIXED_BY_FLAGS = ("model", "nproc", "global_batch")
+GRAPH_BLOCKERS = {"compile": False, "zero": 3, "activation_checkpointing": True}
+"""The values at which pretrain refuses --cudagraphs (TrainConfig): the blocks must be compiled to be graphs, ZeRO 3
+gathers each block's weights to new addresses every step, and a recomputed forward would run outside the graphs."""
 FULL_GRID_HEADER = "# the full grid of a `study tune`"
 """How every --write-grid file begins: a file that begins so is a tune's, and a tune may write it again (a rerun
 of the same command); any other file is the user's, and is never replaced."""
@@ -131,7 +135,8 @@ def _parse_set(text: str) -> tuple[str, list[Any]]:
 
 
 def default_axes(per_rank_examples: int, cores_per_rank: int) -> dict[str, list[Any]]:
-    """The whole space by default (every pretrain value list the tune searches, bounded by the host)."""
+    """The whole space by default (every pretrain value list the tune searches, bounded by the host; on GPUs also
+    --cudagraphs, `_default_graphs`)."""
     threads = sorted({max(1, cores_per_rank // 2), cores_per_rank})
     return {"zero": list(ZERO_STAGES), "offload": ["none", "cpu"],
             "micro_batch": [2 ** k for k in range(12) if per_rank_examples % 2 ** k == 0],
@@ -140,10 +145,47 @@ def default_axes(per_rank_examples: int, cores_per_rank: int) -> dict[str, list[
             "loader": ["shards"], "omp_num_threads": [None, *threads]}
 
 
-def _rules(axes: dict[str, list[Any]], base: dict[str, Any]) -> list[dict[str, Any]]:
-    """Exclude rules for what pretrain refuses (offload at stage 0, nvme below 3, stage-3 tunables elsewhere) and
-    the tune's own policy (CPU-Adam threads only where there is CPU-Adam, i.e. offload). An axis whose setting
-    applies nowhere in the space (threads without offload, tunables without stage 3) is left at its default."""
+def _default_graphs(axes: dict[str, list[Any]], base: dict[str, Any]) -> list[dict[str, Any]]:
+    """On GPUs the space holds --cudagraphs off and on unless the user set it (`_graph_rules` then keeps it to the
+    points that can take it), where it can pay and is known to train the same: not under offload (the step waits on
+    CPU-Adam there, not on kernel launches), not at FP8 (FP8 with graphs has no loss-parity figure yet, docs/tune.md);
+    `--set cudagraphs=false,true` asks for it everywhere pretrain takes it. Returns the rules that keep it off there."""
+    precisions = axes.get("precision") or [base.get("precision", "auto")]
+    offloads = axes.get("offload") or [base.get("offload", "none")]
+    if all(p == "fp8" for p in precisions) or "none" not in offloads:
+        return []
+    axes["cudagraphs"] = [False, True]
+    rules = [{"precision": "fp8", "cudagraphs": True}] if "fp8" in precisions else []
+    offloaded = [o for o in offloads if o != "none"]
+    return rules + ([{"offload": offloaded, "cudagraphs": True}] if offloaded else [])
+
+
+def _graph_rules(axes: dict[str, list[Any]], base: dict[str, Any], defaults: TrainConfig,
+                 requested: bool) -> list[dict[str, Any]]:
+    """Exclude rules that keep --cudagraphs to the points pretrain takes it at (GRAPH_BLOCKERS). Where no point can
+    take it, the axis is left at its default, or, if the user asked for it (`requested`), refused in one line."""
+    on = True in (axes.get("cudagraphs") or [base.get("cudagraphs", defaults.cudagraphs)])
+    if not on:
+        return []
+    values = {name: axes.get(name) or [base.get(name, getattr(defaults, name))] for name in GRAPH_BLOCKERS}
+    blocked = [f"{name}={bad}" for name, bad in GRAPH_BLOCKERS.items() if all(v == bad for v in values[name])]
+    if blocked:
+        if requested:
+            raise UserError(f"--set cudagraphs: no point of this space can replay its blocks as CUDA graphs "
+                            f"({', '.join(blocked)} everywhere; pretrain needs --compile, ZeRO 0-2 and no "
+                            f"activation checkpointing for it); add --set compile=true, or drop cudagraphs")
+        axes["cudagraphs"] = [False]
+        return []
+    where = {"cudagraphs": True} if "cudagraphs" in axes else {}
+    return [{name: bad, **where} for name, bad in GRAPH_BLOCKERS.items() if bad in values[name]]
+
+
+def _rules(axes: dict[str, list[Any]], base: dict[str, Any], requested: frozenset[str] = frozenset()
+           ) -> list[dict[str, Any]]:
+    """Exclude rules for what pretrain refuses (offload at stage 0, nvme below 3, stage-3 tunables elsewhere,
+    --cudagraphs where its blocks cannot be graphs) and the tune's own policy (CPU-Adam threads only where there is
+    CPU-Adam, i.e. offload). An axis whose setting applies nowhere in the space (threads without offload, tunables
+    without stage 3) is left at its default; `requested`: the axes the user named (--set, the space file)."""
     defaults = TrainConfig(data="-", out="-")
     zeros = axes.get("zero") or [base.get("zero", defaults.zero)]
     offloads = axes.get("offload") or [base.get("offload", defaults.offload)]
@@ -162,11 +204,12 @@ def _rules(axes: dict[str, list[Any]], base: dict[str, Any]) -> list[dict[str, A
             continue
         axes[axis] = list(dict.fromkeys([None, *axes[axis]]))
         rules.append({**where_not, axis: [v for v in axes[axis] if v is not None]})
-    return rules
+    return rules + _graph_rules(axes, base, defaults, "cudagraphs" in requested)
 
 
-def space_grid(options: TuneOptions, cores: int, steps: int) -> dict[str, Any]:
-    """The tune's space as a study grid file's content (`load_grid` reads it; `study run` runs it as a grid)."""
+def space_grid(options: TuneOptions, cores: int, steps: int, gpus: bool = False) -> dict[str, Any]:
+    """The tune's space as a study grid file's content (`load_grid` reads it; `study run` runs it as a grid); `gpus`:
+    the machine has GPUs (the default space then holds --cudagraphs)."""
     raw: dict[str, Any] = {}
     if options.space:
         path = Path(options.space)
@@ -197,11 +240,14 @@ def space_grid(options: TuneOptions, cores: int, steps: int) -> dict[str, Any]:
         raise UserError(f"--global-batch {global_batch} is not a multiple of --nproc {nproc}; pick one that is")
     axes = default_axes(global_batch // nproc, max(1, cores // nproc))
     axes.update({axis: as_list(values) for axis, values in grid_axes.items()})
-    for axis, values in map(_parse_set, options.sets):
+    sets = list(map(_parse_set, options.sets))
+    for axis, values in sets:
         axes[axis] = values
         base.pop(axis, None)
     axes = {axis: values for axis, values in axes.items() if axis not in base}
-    exclude = [*(raw.get("exclude") or []), *_rules(axes, base)]
+    requested = frozenset([*grid_axes, *(raw.get("base") or {}), *(axis for axis, _ in sets)])
+    graph_rules = _default_graphs(axes, base) if gpus and "cudagraphs" not in requested else []
+    exclude = [*(raw.get("exclude") or []), *graph_rules, *_rules(axes, base, requested)]
     for axis in [a for a, values in axes.items() if len(values) == 1]:   # one value: a shared setting, not an axis
         base[axis] = axes.pop(axis)[0]
     defaults = TrainConfig(data="-", out="-")
@@ -307,7 +353,9 @@ def calibrate_from(dirs: list[str], calibration: Calibration, device: dict[str, 
 
     for study in dirs:
         path = Path(study)
-        rows = [result_row(record, run_dir) for record, run_dir in finished_points(path)]
+        records = finished_points(path)
+        rows = [result_row(record, run_dir) for record, run_dir in records]
+        graphed = {record["point_id"]: record["config"].get("cudagraphs") for record, _ in records}
         if not rows and (path / "results.csv").is_file():
             rows = read_results_csv(path / "results.csv")
         if not rows:
@@ -318,9 +366,11 @@ def calibrate_from(dirs: list[str], calibration: Calibration, device: dict[str, 
         ran_on = _ran_on(path) or device
         for row in rows:
             if row["status"] == "ok" and row.get("est_gpu_gib") is not None:
-                calibration.observe(row["zero"], row["offload"], row.get("peak_mem_gib"),
-                                    device_figure(row["est_gpu_gib"], row.get("est_cpu_gib") or 0.0,
-                                                  int(row.get("nproc") or 1), ran_on), f"{path.name}/{row['point_id']}")
+                graphs = bool(graphed.get(row["point_id"], row.get("cudagraphs")))
+                estimate = device_figure(row["est_gpu_gib"], row.get("est_cpu_gib") or 0.0, int(row.get("nproc") or 1),
+                                         ran_on)
+                calibration.observe(row["zero"], memory_setting(row["offload"], graphs), calibration_peak(row, graphs),
+                                    estimate, f"{path.name}/{row['point_id']}")
 
 
 def _ran_on(path: Path) -> dict[str, Any] | None:
@@ -338,8 +388,11 @@ def _ran_on(path: Path) -> dict[str, Any] | None:
 # ------------------------------------------------------------------------------------------------ the search
 
 def _anchor_note(candidate: Candidate) -> str:
-    siblings = candidate.predicted.get("siblings", 0)
-    return f" (compute of {siblings} measured sibling launch{'es' if siblings > 1 else ''})" if siblings else ""
+    siblings, ratio = candidate.predicted.get("siblings", 0), candidate.predicted.get("graph_ratio")
+    note = f"compute of {siblings} measured sibling launch{'es' if siblings > 1 else ''}" if siblings else ""
+    if ratio:
+        note = f"{note + ' of its graph-free twin, ' if note else ''}x the measured graph ratio {ratio:.3f}"
+    return f" ({note})" if note else ""
 
 
 @dataclass
@@ -366,7 +419,8 @@ class Tune:
                     if row["status"] == "ok" and row.get("step_time_s")]
         self.model.refit(measured, self.shape)
         for c in self.candidates:
-            c.memory, c.calibrated_gib = self.calibration.verdict(c.config.zero, c.config.offload, c.estimate_gib)
+            setting = memory_setting(c.config.offload, c.config.cudagraphs)
+            c.memory, c.calibrated_gib = self.calibration.verdict(c.config.zero, setting, c.estimate_gib)
             capacity = self.calibration.capacity_gib
             c.why = {"pruned": f"calibrated estimate {c.calibrated_gib:.3g} GiB > capacity {capacity:.3g} GiB "
                                f"x {1 + self.calibration.margin:g}",
@@ -406,11 +460,12 @@ class Tune:
         self.spent_s += float(record.get("wall_s") or 0.0)
         launches.append({"point_id": record["point_id"], "rung": rung, "status": row["status"],
                          "wall_s": record.get("wall_s"), "tokens_per_s": row.get("tokens_per_s")})
+        setting = memory_setting(config.offload, config.cudagraphs)
         if row["status"] == "ok":
-            self.calibration.observe(config.zero, config.offload, row.get("peak_mem_gib"), candidate.estimate_gib,
-                                     record["point_id"])
+            self.calibration.observe(config.zero, setting, calibration_peak(row, config.cudagraphs),
+                                     candidate.estimate_gib, record["point_id"])
         elif row["status"] == "oom":
-            self.calibration.observe_oom(config.zero, config.offload, candidate.estimate_gib, record["point_id"])
+            self.calibration.observe_oom(config.zero, setting, candidate.estimate_gib, record["point_id"])
             print(f"[tune] {record['point_id']}: out of memory; calibration raised, re-pruning", flush=True)
         self.save()
         return row
@@ -503,8 +558,8 @@ def earlier_tune(path: Path, space_sha: str, fingerprint: str) -> list[str]:
 
 def open_tune(options: TuneOptions) -> Tune:
     """Build the space, the candidates and the models; refuse a directory that holds another tune."""
-    cores = machine_info()["cpus"] or 1
-    grid_dict = space_grid(options, cores, options.rung_steps[0])
+    machine = machine_info()
+    grid_dict = space_grid(options, machine["cpus"] or 1, options.rung_steps[0], gpus=bool(machine["gpus"]))
     if not grid_dict["data"]:
         raise UserError("--data SHARDS is required (a shard set written by `prep corpus`), or `data:` in --space")
     if options.write_grid:

@@ -32,6 +32,7 @@ def candidate_summary(candidate) -> dict[str, Any]:
             "calibrated_gib": round(candidate.calibrated_gib, 3),
             "predicted_tokens_per_s": round(candidate.predicted.get("tokens_per_s", 0.0), 1),
             "predicted_from_siblings": candidate.predicted.get("siblings", 0),
+            "predicted_graph_ratio": candidate.predicted.get("graph_ratio"),
             "results": {str(rung): {k: row.get(k) for k in keys} for rung, row in candidate.results.items()}}
 
 
@@ -111,7 +112,9 @@ def render_markdown(tune) -> str:
                   f"z{z}/{o} {r:.2f} ({src})" for z, o, r, src in tune.calibration.ratios) or "none measured yet, "
                   f"prior {tune.calibration.prior}"), "",
               "Predicted: the cost model's tokens/s; (sibling): its compute taken from measured candidates that "
-              "differ from it only in loading, the model giving the rest.", "",
+              "differ from it only in loading, the model giving the rest; (graphs): a --cudagraphs candidate's "
+              "compute, its graph-free twin's times the graphed / graph-free ratio of measured pairs "
+              f"({_cell(tune.model.explain()['graph_ratio'], '.3f') or 'none measured'}).", "",
               "| candidate | state | predicted | rung | tokens/s | spread | step s | data wait s | peak GiB | "
               "estimate GiB (calibrated) | memory |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for c in _ordered(tune):
@@ -119,6 +122,7 @@ def render_markdown(tune) -> str:
         result = c.best_result()
         rung, row = result if result else ("", {})
         sibling = " (sibling)" if c.predicted.get("siblings") else ""
+        sibling += " (graphs)" if c.predicted.get("graph_ratio") else ""
         lines.append(f"| {name} | {_state(c)} | {format_rate(c.predicted.get('tokens_per_s'))}{sibling} | {rung} | "
                      f"{format_rate(row.get('tokens_per_s')) if row else ''} | "
                      f"{_cell(row.get('tokens_per_s_spread'), '.1%')} | {_cell(row.get('step_time_s'), '.3f')} | "

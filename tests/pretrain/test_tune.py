@@ -19,6 +19,7 @@ import yaml
 
 from pipeline.common import REPO_ROOT
 from pretrain.study.grid import load_grid
+from pretrain.study.tune import TuneOptions, space_grid
 
 # a space the cost model can rank: the default (ZeRO 2, micro 8) against micro 16 and micro 1 (32 accumulation
 # steps) at stages 0 and 2; one 5-step rung
@@ -277,3 +278,61 @@ def test_a_tune_of_another_space_is_refused_before_it_writes_anything(tiny_shard
     broken = tune(*space, "--set", "zero=2")
     assert broken.returncode == 2 and "tune.json: cannot be read as a tune's state" in broken.stderr
     assert "Traceback" not in broken.stderr
+
+
+def test_cuda_graphs_are_searched_only_where_pretrain_takes_them(tiny_shards, tmp_path):
+    """--set cudagraphs=false,true: graphed points only where the blocks are compiled, ZeRO 0-2, without activation
+    checkpointing (exclude rules in space.yaml, which the study's grid code validates point by point); asked for
+    where no point can take it, one line. On a GPU machine the default space holds the axis once compile is on."""
+    space = ["--model", "t5-tiny", "--nproc", "1", "--global-batch", "16", "--data", str(tiny_shards),
+             "--set", "zero=2,3", "--set", "offload=none", "--set", "loader_workers=0", "--set", "micro_batch=4,16",
+             "--set", "cudagraphs=false,true", "--dry-run"]
+    result = tune(*space, "--set", "compile=true", "--out", str(tmp_path / "tune"),
+                  "--write-grid", str(tmp_path / "full.yaml"))
+    assert result.returncode == 0, result.stderr
+    ids = [c["point_id"] for c in tune_state(tmp_path / "tune")["candidates"]]
+    graphed = [i for i in ids if "cudagraphs1" in i]
+    assert sorted(graphed) == ["t5-tiny-z2-none-mb16-w0-n1-cudagraphs1", "t5-tiny-z2-none-mb4-w0-n1-cudagraphs1"]
+    assert len(ids) == 2 * 2 * 2 + 2 + 1                # zero x micro x ckpt without graphs, 2 graphed, the default
+    assert len(load_grid(tmp_path / "full.yaml").points()) == len(ids)
+
+    refused = tune(*space, "--out", str(tmp_path / "refused"))        # compile left off: no graph can be made
+    assert refused.returncode == 2 and "--set cudagraphs: no point of this space" in refused.stderr
+    assert "compile=False everywhere" in refused.stderr and "add --set compile=true" in refused.stderr
+    assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
+    assert not (tmp_path / "refused").exists()
+
+    def axes(*sets: str) -> tuple[dict, list]:
+        options = TuneOptions(out=tmp_path / "x", data="shards", model="t5-tiny", nproc=1, global_batch=16,
+                              sets=["zero=2,3", *sets])
+        grid = space_grid(options, cores=8, steps=6, gpus=True)
+        return {**{k: [v] for k, v in grid["base"].items()}, **grid["grid"]}, grid["exclude"]
+
+    on, rules = axes("compile=true")                                 # a GPU machine, compiled: searched
+    assert on["cudagraphs"] == [False, True] and {"zero": 3, "cudagraphs": True} in rules
+    assert axes()[0]["cudagraphs"] == [False]                         # not compiled: left off, no error
+    assert axes("compile=true", "precision=fp8")[0].get("cudagraphs", [False]) == [False]    # FP8: if asked
+    mixed, rules = axes("compile=true", "precision=bf16,fp8")
+    assert mixed["cudagraphs"] == [False, True] and {"precision": "fp8", "cudagraphs": True} in rules
+    assert {"offload": ["cpu"], "cudagraphs": True} in rules                # the default space's offload points
+    assert axes("compile=true", "offload=cpu")[0].get("cudagraphs", [False]) == [False]
+
+
+@pytest.mark.slow   # two compiled launches (~65 s here); the ratio's arithmetic is in test_tune_model.py
+def test_a_tune_measures_a_graphed_twin_and_carries_its_ratio(tiny_shards, tmp_path):
+    """Real compiled launches on CPU (where --cudagraphs runs the same code without graphs): the default and its
+    graphed twin are measured, the model records their ratio, tune.md and tune.json say so."""
+    out = tmp_path / "tune"
+    result = tune("--model", "t5-tiny", "--nproc", "1", "--global-batch", "8", "--data", str(tiny_shards),
+                  "--set", "zero=2", "--set", "offload=none", "--set", "loader_workers=0", "--set", "micro_batch=8",
+                  "--set", "activation_checkpointing=false", "--set", "compile=true", "--set", "cudagraphs=false,true",
+                  "--rung-steps", "4", "--skip-steps", "2", "--min-measured", "2", "--best-steps", "2",
+                  "--out", str(out), timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    state = tune_state(out)
+    assert [launch["status"] for launch in state["launches"]] == ["ok", "ok"]
+    assert [launch["point_id"] for launch in state["launches"]] == ["t5-tiny-z2-none-mb8-w0-n1-cudagraphs0-s4",
+                                                                   "t5-tiny-z2-none-mb8-w0-n1-cudagraphs1-s4"]
+    assert 0.5 < state["model"]["graph_ratio"] < 2.0                # the same code on CPU: about 1
+    assert {setting for _, setting, *_ in state["calibration"]} == {"none", "none+cudagraphs"}
+    assert "graphed / graph-free ratio of measured pairs" in (out / "tune.md").read_text()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from pretrain.config import TrainConfig
-from pretrain.study.tune_model import CostModel, Shape, compute_key
+from pretrain.study.tune_model import Calibration, CostModel, Shape, calibration_peak, compute_key, memory_setting
 
 H200 = {"kind": "cuda", "name": "NVIDIA H200", "precision": "bf16"}
 # mt5-large at global batch 64 on one rank (1.23B parameters, 512/114 tokens)
@@ -76,3 +76,47 @@ def test_several_measured_siblings_anchor_by_their_median():
     model.refit(runs, SHAPE)
     assert model.predict(config(loader_workers=4), SHAPE)["compute_s"] == pytest.approx(0.44, rel=1e-9)
     assert model.explain()["anchors"] == 1
+
+
+def test_cuda_graphs_are_their_own_compute_and_their_own_memory():
+    """--cudagraphs changes the step (its own compute key, a term of its own that the first graphed launch refits)
+    and the memory (its own calibration, from the reserved peak, which holds the graphs' pools)."""
+    graphed, plain = config(cudagraphs=True), config()
+    assert compute_key(graphed) != compute_key(plain)
+    gpu, cpu = CostModel.for_device(H200), CostModel.for_device({"kind": "cpu"})
+    assert gpu.predict(graphed, SHAPE)["compute_s"] < gpu.predict(plain, SHAPE)["compute_s"]
+    assert cpu.predict(graphed, SHAPE)["compute_s"] == cpu.predict(plain, SHAPE)["compute_s"]   # no graphs on CPU
+
+    # one graphed launch alone says nothing of the others: they keep the model's figure
+    small, small_graphed = config(micro_batch=16), config(micro_batch=16, cudagraphs=True)
+    gpu.refit([measured(graphed, 0.283)], SHAPE)
+    assert gpu.predict(small_graphed, SHAPE)["graph_ratio"] is None and gpu.explain()["graph_ratio"] is None
+    # a measured pair does (one H200, mt5-large ZeRO 2 at micro 32 x 2: 0.413 s a step without graphs, 0.283 s
+    # with; docs/pretrain.md): each graphed candidate not measured is its graph-free twin times their ratio
+    gpu.refit([measured(plain, 0.413), measured(graphed, 0.283), measured(plain, 0.421)], SHAPE)
+    ratio = 0.283 / 0.417                                    # against the median of the graph-free pair's runs
+    assert gpu.explain()["graph_ratio"] == pytest.approx(ratio, abs=1e-4)
+    twin = gpu.predict(small, SHAPE)
+    predicted = gpu.predict(small_graphed, SHAPE)
+    assert predicted["graph_ratio"] == pytest.approx(ratio) and predicted["siblings"] == twin["siblings"] == 0
+    assert predicted["compute_s"] == pytest.approx(twin["compute_s"] * ratio, rel=1e-9)
+    # a graphed candidate measured itself, and its loading siblings, keep their own anchor
+    assert gpu.predict(graphed, SHAPE)["compute_s"] == pytest.approx(0.283, rel=1e-9)
+    assert gpu.predict(config(cudagraphs=True, loader_workers=2), SHAPE)["siblings"] == 1
+    # a graph-free candidate keeps the model's figure: the ratio carries graphs' gain to graphed points only
+    assert gpu.predict(small, SHAPE)["graph_ratio"] is None
+
+
+def test_a_graphed_launch_calibrates_graphed_points_by_its_reserved_peak():
+    calibration = Calibration(capacity_gib=141.0, margin=0.1)
+    graphed, plain = memory_setting("none", True), memory_setting("none", False)
+    assert (graphed, plain) == ("none+cudagraphs", "none")
+    row = {"peak_mem_gib": 30.0, "peak_reserved_gib": 63.0}
+    assert calibration_peak(row, cudagraphs=True) == 63.0 and calibration_peak(row, cudagraphs=False) == 30.0
+    assert calibration_peak({"peak_mem_gib": 30.0, "peak_reserved_gib": None}, cudagraphs=True) == 30.0
+    calibration.observe(2, plain, 39.0, 40.0, "plain")
+    calibration.observe(2, graphed, calibration_peak(row, True), 40.0, "graphed")
+    assert calibration.ratio(2, plain) == pytest.approx(39 / 40) and calibration.ratio(2, graphed) == 63 / 40
+    calibration.observe_oom(2, graphed, 100.0, "graphed at a larger micro batch")
+    assert calibration.verdict(2, graphed, 100.0)[0] == "pruned"
+    assert calibration.verdict(2, plain, 100.0)[0] == "fits"          # its own stage and setting, not the graphs'
