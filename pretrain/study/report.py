@@ -207,10 +207,12 @@ def _with_range(row: dict[str, Any], key: str, spec: str) -> str:
 
 def results_table(rows: list[dict[str, Any]], extra_axes: tuple[str, ...] = ()) -> str:
     """One line per point; the axes a grid varies beside the classic ones follow the `ckpt` column. A point run
-    several times (a grid's `repeats`) shows its median run, with min-max over the runs."""
+    several times (a grid's `repeats`) shows its median run, with min-max over the runs. Where any point recorded
+    its peak reserved memory (GPUs), a `reserved GiB` column follows `peak GiB`."""
+    reserved = any(r.get("peak_reserved_gib") is not None for r in rows)
     header = ["model", "stage", "mb", "workers", "GPUs", "ckpt", *extra_axes, "status", "tok/s", "samples/s", "TFLOP/s/GPU",
-              "MFU", "step s", "data wait s", "compute s", "data wait", "peak GiB", "est GPU GiB", "est CPU GiB",
-              "reason"]
+              "MFU", "step s", "data wait s", "compute s", "data wait", "peak GiB", *(["reserved GiB"] * reserved),
+              "est GPU GiB", "est CPU GiB", "reason"]
     body = [[r["model"], stage_label(r["zero"], r["offload"]), str(r["micro_batch"]), str(r["loader_workers"]),
              str(r["nproc"]), "on" if r.get("activation_checkpointing") else "off",
              *("–" if r.get(axis) is None else str(r[axis]) for axis in extra_axes), r["status"],
@@ -218,6 +220,7 @@ def results_table(rows: list[dict[str, Any]], extra_axes: tuple[str, ...] = ()) 
              _fmt(r.get("tflops_per_gpu"), ".3g"), _fmt(r.get("mfu"), ".1f", 100, "%"),
              _with_range(r, "step_time_s", ".3g"), _fmt(r.get("data_wait_s"), ".3g"), _fmt(r.get("compute_s"), ".3g"),
              _fmt(r.get("data_wait_share"), ".2f", 100, "%"), _fmt(r.get("peak_mem_gib"), ".3g"),
+             *([_fmt(r.get("peak_reserved_gib"), ".3g")] * reserved),
              _fmt(r.get("est_gpu_gib"), ".3g"), _fmt(r.get("est_cpu_gib"), ".3g"), r.get("reason") or ""]
             for r in rows]
     return _table(header, body)
@@ -302,7 +305,9 @@ def _setup_section(rows: list[dict[str, Any]], setup: dict[str, Any]) -> str:
     methods = sorted({r["est_method"] for r in rows if r.get("est_method")})
     text += ("\n- Numbers are medians over the steady-state steps of each point; `data wait` is the share of step "
              "time spent blocked on the next batch (total wait / total step time over those steps); `peak` is the "
-             "largest peak memory pretrain measured in any step (GPU memory on GPUs, host memory on CPU); `est` is "
+             "largest peak memory pretrain measured in any step (GPU memory on GPUs, host memory on CPU); `reserved` "
+             "(GPUs) the largest the allocator held, its cache and the private pools of CUDA graphs (`--cudagraphs`, "
+             "whose replays allocate nothing) included: what a larger micro batch must fit beside; `est` is "
              "the memory estimate pretrain records for the stage and offload before training (config.json "
              "`memory_estimate`; method: " + ("; ".join(methods) or "not recorded") + ").")
     return text

@@ -62,6 +62,19 @@ def test_table_and_stage_comparison_values(rows):
     assert "| ZeRO-0 | – | – | – | – | – | 18.4 | 0 | 0/3 (oom) |" in comparison   # the estimate, beside the OOM
 
 
+def test_the_table_shows_reserved_memory_where_it_was_recorded(rows):
+    """On GPUs (peak_reserved_gib recorded) a `reserved GiB` column follows the peak: CUDA graphs' pools show there
+    only; the CPU rows of the asset (null reserved) keep the table as it was."""
+    assert "reserved GiB" not in report.results_table(rows)
+    graphed = [dict(rows[0], peak_mem_gib=30.5, peak_reserved_gib=63.25)]
+    table = report.results_table(graphed)
+    header, _, line = table.splitlines()
+    columns = [cell.strip() for cell in header.strip("|").split("|")]
+    cells = [cell.strip() for cell in line.strip("|").split("|")]
+    assert columns.index("reserved GiB") == columns.index("peak GiB") + 1 and len(cells) == len(columns)
+    assert cells[columns.index("peak GiB")] == "30.5" and cells[columns.index("reserved GiB")] == "63.2"
+
+
 def test_fastest_configuration_follows_the_data(rows):
     lines = report.fastest_that_fits(rows)
     assert len(lines) == 2
