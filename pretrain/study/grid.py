@@ -174,8 +174,19 @@ class StudyGrid:
 
     def _point_config(self, values: dict[str, Any], point_id: str, shards: str, run_dir: Path) -> TrainConfig:
         where = f"{self.source}: point {point_id}"
-        config = _in_file(where, lambda: config_from_values(
-            {**POINT_DEFAULTS, **self.base, **values, "data": str(shards), "out": str(run_dir)}, where=where))
+
+        def build(values: dict[str, Any]) -> TrainConfig:
+            return config_from_values({**POINT_DEFAULTS, **self.base, **values, "data": str(shards),
+                                       "out": str(run_dir)}, where=where)
+        try:
+            config = _in_file(where, lambda: build(values))
+        except UserError as err:
+            rule = self._combination(values, build)
+            if rule is None:
+                raise
+            shown = ", ".join(f"{axis}: {_scalar(value)}" for axis, value in rule.items())
+            raise UserError(f"{err}; or, to keep the grid's other points, leave this combination out: "
+                            f"exclude: [{{{shown}}}]") from None
         if not 0 <= config.steady_skip < config.steps:
             raise UserError(f"{where}: {SKIP_STEPS_KEY} must be in [0, steps={config.steps}) so some steps are "
                             f"measured, got {config.steady_skip}")
@@ -185,6 +196,31 @@ class StudyGrid:
         if self.pretrain_command is None:
             _in_file(where, lambda: config.grad_accum(config.nproc))
         return config
+
+
+    def _combination(self, values: dict[str, Any], build: Callable[[dict[str, Any]], Any]) -> dict[str, Any] | None:
+        """The axis values of a point pretrain refuses that make it refused together: those of the axes where another
+        of the grid's values makes the point valid (zero 3 with cudagraphs true: both); None unless two or more do
+        (a value refused on its own is to be fixed, not left out)."""
+        culprits = {}
+        for axis, value in values.items():
+            for other in self.axes.get(axis, []):
+                if other == value:
+                    continue
+                try:
+                    build({**values, axis: other})
+                except UserError:
+                    continue
+                culprits[axis] = value
+                break
+        return culprits if len(culprits) > 1 else None
+
+
+def _scalar(value: Any) -> str:
+    """A value as YAML writes it in a rule (true, null, 3, cpu)."""
+    if value is None or isinstance(value, bool):
+        return {True: "true", False: "false", None: "null"}[value]
+    return str(value)
 
 
 def _check_model(model: str, where: str) -> None:

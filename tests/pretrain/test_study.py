@@ -71,6 +71,14 @@ def test_exclude_and_include_rules(tmp_path):
     ({"grid": {"zero": [2, 5]}}, "point t5-tiny-z5-none-mb2-w0-n2: --zero must be one of 0, 1, 2, 3"),
     ({"grid": {"zero": [0, 2], "offload": "cpu"}}, "point t5-tiny-z0-cpu-mb2-w0-n2: --offload needs ZeRO stage 1"),
     ({"grid": {"lr": [0.001, "fast"]}}, "lr must be float, got 'fast'"),
+    # two axes' values that pretrain refuses together: the exclude rule that keeps the grid's other points
+    ({"grid": {"zero": [0, 2], "offload": ["none", "cpu"]}}, "--offload needs ZeRO stage 1 or higher (stage 0 keeps "
+     "everything on the device); use --zero 2 or 3; or, to keep the grid's other points, leave this combination "
+     "out: exclude: [{zero: 0, offload: cpu}]"),
+    ({"base": {"compile": True}, "grid": {"zero": [2, 3], "cudagraphs": [False, True]}},
+     "point t5-tiny-z3-none-mb2-w0-n2-cudagraphs1: --cudagraphs: ZeRO 3 gathers"),
+    ({"base": {"compile": True}, "grid": {"zero": [2, 3], "cudagraphs": [False, True]}},
+     "exclude: [{zero: 3, cudagraphs: true}]"),
     # and what pretrain would refuse at once from the settings alone
     ({"grid": {"model": ["t5-tiny", "t5-nano"]}}, "point t5-nano-z2-none-mb2-w0-n2: model preset 't5-nano' not found"),
     ({"grid": {"micro_batch": [2, 3]}}, "point t5-tiny-z2-none-mb3-w0-n2: --global-batch 8 is not a multiple of "
