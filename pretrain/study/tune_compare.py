@@ -5,7 +5,8 @@ issue 17 (the best found within GOAL_GAP of the grid's best, in at most GOAL_TIM
     against = compare_with_grid(tune, Path("studies/mt5-large-full"), rows)   # tune.json keeps it, tune.md shows it
 
 The grid is any study directory (its runs, or its results.csv): `study run` of the tune's `--write-grid` file, or
-a study whose grid spans the same space. Points are matched by their settings, not their ids. The best found is
+a study whose grid spans the same space. Points are matched by their settings, not their ids (a setting the grid
+did not vary, absent from its results, at pretrain's default). The best found is
 judged by the grid's own measurement of the configuration the tune chose (the same launches' conditions as the
 grid's best), and the tune's own figure for it is shown beside. Device time is the launches' wall seconds: the
 grid's first run of every point (repeats are the grid's spread, not its cost), the tune's every launch.
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.common import UserError
+from pretrain.config import TrainConfig
 from pretrain.study.grid import CLASSIC_AXES
 from pretrain.study.results import (RESULTS_CSV, combine_runs, finished_points, read_results_csv,
                                     result_row)
@@ -47,6 +49,11 @@ def _matches(config, row: dict[str, Any], axes: list[str]) -> bool:
 def compare_with_grid(tune, study_dir: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The tune's best against the grid's best (`rows`: the grid's runs, grid_rows), the two device times, and how
     the two spaces differ."""
+    # an axis of the tune that the grid did not vary (e.g. cudagraphs, which the tune adds on GPUs) counts at
+    # pretrain's default there: its results do not say otherwise
+    defaults = TrainConfig(data="-", out="-")
+    unvaried = {axis: getattr(defaults, axis) for axis in tune.grid.axes if axis not in rows[0]}
+    rows = [{**unvaried, **row} for row in rows]
     axes = [axis for axis in dict.fromkeys([*CLASSIC_AXES, *tune.grid.axes]) if axis in rows[0]]
     grid_s = sum(float(r.get("wall_s") or 0.0) for r in rows if (r.get("repeat") or 1) == 1)
     points = combine_runs(rows)

@@ -336,3 +336,30 @@ def test_a_tune_measures_a_graphed_twin_and_carries_its_ratio(tiny_shards, tmp_p
     assert 0.5 < state["model"]["graph_ratio"] < 2.0                # the same code on CPU: about 1
     assert {setting for _, setting, *_ in state["calibration"]} == {"none", "none+cudagraphs"}
     assert "graphed / graph-free ratio of measured pairs" in (out / "tune.md").read_text()
+
+
+def test_a_grid_that_did_not_vary_an_axis_of_the_tune_counts_at_pretrains_default():
+    """The one-H200 grids have no cudagraphs column; a tune of their space on a GPU adds the axis: its graphed
+    candidates are not in the grid, and a graphed best is not judged by the graph-free point's figure."""
+    from types import SimpleNamespace
+
+    from pretrain.config import TrainConfig
+    from pretrain.study.tune import Candidate
+    from pretrain.study.tune_compare import compare_with_grid
+
+    def candidate(zero, graphs, tokens):
+        config = TrainConfig(model="t5-tiny", data="-", out=f"runs/z{zero}-cg{int(graphs)}", zero=zero,
+                             compile=True, cudagraphs=graphs)
+        row = {"status": "ok", "tokens_per_s": tokens}
+        return Candidate(config=config, point_id=f"z{zero}-cg{int(graphs)}", default=False, results={0: row})
+
+    candidates = [candidate(0, False, 100.0), candidate(2, False, 90.0), candidate(2, True, 130.0)]
+    tune = SimpleNamespace(grid=SimpleNamespace(axes={"zero": [0, 2], "cudagraphs": [False, True]}), spent_s=10.0,
+                           candidates=candidates, best=lambda: candidates[2])
+    rows = [{"point_id": f"grid-z{zero}", "status": "ok", "tokens_per_s": tokens, "wall_s": 50.0, "zero": zero,
+             "offload": "none", "micro_batch": 8, "loader_workers": 0, "nproc": 1, "model": "t5-tiny",
+             "activation_checkpointing": False} for zero, tokens in ((0, 101.0), (2, 91.0))]
+    against = compare_with_grid(tune, Path("grid"), rows)
+    assert "cudagraphs" in against["axes"] and against["tune_candidates_not_in_grid"] == ["z2-cg1"]
+    assert against["grid_points_not_in_tune"] == []
+    assert against["tune_best"]["in_grid"] is None and against["gap"] is None and not against["goal_met"]
