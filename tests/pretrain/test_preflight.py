@@ -183,3 +183,24 @@ def test_run_dir_and_batch_checks(tiny_shards, tmp_path, capsys):
         run_preflight(config_for(tiny_shards, tmp_path / "odd", "--global-batch", "12"), world_size=2,
                       local_world_size=2, announce=False)
 
+
+
+def test_the_summary_says_cuda_graphs_pools_come_on_top_of_the_estimate():
+    """On a GPU, `--cudagraphs` runs are told the estimate leaves the graphs' pools out (they showed as 33 GiB more
+    reserved); elsewhere (CPU runs the same code without graphs) nothing is said."""
+    from pretrain.config import TrainConfig
+    from pretrain.preflight import Plan, describe
+
+    estimate = {"per_gpu_gib": 40.0, "model_states_gib": 20.0, "activations_gib": 20.0, "per_cpu_gib": 1.0,
+                "parameters": 1.2e9}
+    gpu = {"kind": "cuda", "count": 1, "name": "NVIDIA H200", "per_device_gib": 139.8}
+    cpu = {"kind": "cpu", "host_available_gib": 20.0, "host_total_gib": 24.0}
+    plans = {kind: Plan(model_config=load_config("t5-tiny"), vocab_note="1024", input_length=128, target_length=29,
+                        num_examples=100, world_size=1, grad_accum=2, global_batch=8, shard_fingerprint="f" * 16,
+                        tokenizer_sha256="0" * 64, device=device, memory_estimate=estimate)
+             for kind, device in (("gpu", gpu), ("cpu", cpu))}
+    graphed = TrainConfig(data="shards", out="run", compile=True, cudagraphs=True)
+    plain = TrainConfig(data="shards", out="run", compile=True)
+    assert "cudagraphs: the graphs' private pools come on top" in describe(plans["gpu"], graphed, "bf16")
+    assert "cudagraphs" not in describe(plans["gpu"], plain, "bf16")
+    assert "cudagraphs" not in describe(plans["cpu"], graphed, "fp32")
