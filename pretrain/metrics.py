@@ -211,6 +211,16 @@ def steady_state_figures(steady: list[dict[str, Any]]) -> dict[str, Any]:
     return figures
 
 
+def needed_peak(row: dict[str, Any], cudagraphs: bool) -> float | None:
+    """The memory a run needed at its peak: the allocator's peak allocated memory, or with --cudagraphs its peak
+    reserved memory where recorded (a replay allocates nothing: the graphs' pools hold their memory outside the
+    allocated figure, 29-31 GiB allocated against 38-39 without graphs on one H200, with ~33 GiB more held in the
+    pools; docs/pretrain.md). What the tune calibrates its memory estimate by and the report compares it with."""
+    if cudagraphs and row.get("peak_reserved_gib"):
+        return row["peak_reserved_gib"]
+    return row.get("peak_mem_gib")
+
+
 def largest_peak(records: list[dict[str, Any]], key: str) -> float | None:
     """The largest of the steps' `key` (peak_mem_gib, peak_reserved_gib: each step's peak so far), over every step,
     warm-up included; None where no step has one (peak_reserved_gib on CPU)."""

@@ -14,6 +14,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
+from pretrain.metrics import needed_peak
+
 REPORT_MD = "report.md"
 DATA_WAIT_TARGET = 0.01
 """The data-wait share the loader-worker recommendation aims under (1% of step time)."""
@@ -167,13 +169,14 @@ def fewest_workers(rows: list[dict[str, Any]], target: float = DATA_WAIT_TARGET)
 
 
 def estimate_accuracy(rows: list[dict[str, Any]]) -> list[str]:
-    """Per model: measured peak memory over the recorded estimate, per stage (how far to trust the estimate)."""
+    """Per model: measured peak memory over the recorded estimate, per stage (how far to trust the estimate); a
+    --cudagraphs point's peak is its reserved one (pretrain.metrics.needed_peak)."""
     lines = []
     groups, several_nproc = model_groups(rows)
     for (model, nproc), group in groups.items():
         ratios = []
         for zero, offload in stage_order(group):
-            pairs = [(r["peak_mem_gib"], r["est_gpu_gib"]) for r in ok_rows(group)
+            pairs = [(needed_peak(r, bool(r.get("cudagraphs"))), r["est_gpu_gib"]) for r in ok_rows(group)
                      if (r["zero"], r["offload"]) == (zero, offload) and r.get("peak_mem_gib") is not None
                      and r.get("est_gpu_gib")]
             if pairs:

@@ -35,10 +35,11 @@ from pretrain.data import storage
 from pretrain.runlock import TUNE_LOCK_NAME, RunLock, acquire_run_lock
 from pretrain.study import tune_report
 from pretrain.study.grid import AXIS_NAMES, GRID_KEYS, SKIP_STEPS_KEY, StudyGrid, as_list, load_grid
+from pretrain.metrics import needed_peak
 from pretrain.study.results import result_row
 from pretrain.study.runner import Sweep, machine_info, new_counts, run_points
 from pretrain.study.tune_compare import compare_with_grid, grid_rows
-from pretrain.study.tune_model import Calibration, CostModel, Shape, calibration_peak, memory_setting
+from pretrain.study.tune_model import Calibration, CostModel, Shape, memory_setting
 
 TUNE_FILE = "tune.json"
 SPACE_FILE = "space.yaml"
@@ -369,7 +370,7 @@ def calibrate_from(dirs: list[str], calibration: Calibration, device: dict[str, 
                 graphs = bool(graphed.get(row["point_id"], row.get("cudagraphs")))
                 estimate = device_figure(row["est_gpu_gib"], row.get("est_cpu_gib") or 0.0, int(row.get("nproc") or 1),
                                          ran_on)
-                calibration.observe(row["zero"], memory_setting(row["offload"], graphs), calibration_peak(row, graphs),
+                calibration.observe(row["zero"], memory_setting(row["offload"], graphs), needed_peak(row, graphs),
                                     estimate, f"{path.name}/{row['point_id']}")
 
 
@@ -462,7 +463,7 @@ class Tune:
                          "wall_s": record.get("wall_s"), "tokens_per_s": row.get("tokens_per_s")})
         setting = memory_setting(config.offload, config.cudagraphs)
         if row["status"] == "ok":
-            self.calibration.observe(config.zero, setting, calibration_peak(row, config.cudagraphs),
+            self.calibration.observe(config.zero, setting, needed_peak(row, config.cudagraphs),
                                      candidate.estimate_gib, record["point_id"])
         elif row["status"] == "oom":
             self.calibration.observe_oom(config.zero, setting, candidate.estimate_gib, record["point_id"])

@@ -214,16 +214,6 @@ def memory_setting(offload: str, cudagraphs: bool) -> str:
     return f"{offload}+cudagraphs" if cudagraphs else str(offload)
 
 
-def calibration_peak(row: dict[str, Any], cudagraphs: bool) -> float | None:
-    """The measured peak a run's calibration ratio is made of: the allocator's peak allocated memory, or with
-    --cudagraphs its peak reserved memory where recorded (a replay allocates nothing: the graphs' pools hold their
-    memory outside the allocated figure, 29-31 GiB allocated against 38-39 without graphs on one H200, with ~33 GiB
-    more held in the pools; docs/pretrain.md)."""
-    if cudagraphs and row.get("peak_reserved_gib"):
-        return row["peak_reserved_gib"]
-    return row.get("peak_mem_gib")
-
-
 @dataclass
 class Calibration:
     """Measured peak / preflight estimate: per (zero, memory_setting) where measured there, else the largest seen.

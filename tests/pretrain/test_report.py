@@ -73,6 +73,10 @@ def test_the_table_shows_reserved_memory_where_it_was_recorded(rows):
     cells = [cell.strip() for cell in line.strip("|").split("|")]
     assert columns.index("reserved GiB") == columns.index("peak GiB") + 1 and len(cells) == len(columns)
     assert cells[columns.index("peak GiB")] == "30.5" and cells[columns.index("reserved GiB")] == "63.2"
+    # the estimate's accuracy: a graphed point's peak is what it reserved, a graph-free one's what it allocated
+    accuracy = report.estimate_accuracy([dict(graphed[0], status="ok", est_gpu_gib=40.0, cudagraphs=True)])
+    assert "(63.2 vs 40 GiB)" in accuracy[0]
+    assert "(30.5 vs 40 GiB)" in report.estimate_accuracy([dict(graphed[0], status="ok", est_gpu_gib=40.0)])[0]
 
 
 def test_fastest_configuration_follows_the_data(rows):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from pretrain.config import TrainConfig
-from pretrain.study.tune_model import Calibration, CostModel, Shape, calibration_peak, compute_key, memory_setting
+from pretrain.metrics import needed_peak
+from pretrain.study.tune_model import Calibration, CostModel, Shape, compute_key, memory_setting
 
 H200 = {"kind": "cuda", "name": "NVIDIA H200", "precision": "bf16"}
 # mt5-large at global batch 64 on one rank (1.23B parameters, 512/114 tokens)
@@ -112,10 +113,10 @@ def test_a_graphed_launch_calibrates_graphed_points_by_its_reserved_peak():
     graphed, plain = memory_setting("none", True), memory_setting("none", False)
     assert (graphed, plain) == ("none+cudagraphs", "none")
     row = {"peak_mem_gib": 30.0, "peak_reserved_gib": 63.0}
-    assert calibration_peak(row, cudagraphs=True) == 63.0 and calibration_peak(row, cudagraphs=False) == 30.0
-    assert calibration_peak({"peak_mem_gib": 30.0, "peak_reserved_gib": None}, cudagraphs=True) == 30.0
+    assert needed_peak(row, cudagraphs=True) == 63.0 and needed_peak(row, cudagraphs=False) == 30.0
+    assert needed_peak({"peak_mem_gib": 30.0, "peak_reserved_gib": None}, cudagraphs=True) == 30.0
     calibration.observe(2, plain, 39.0, 40.0, "plain")
-    calibration.observe(2, graphed, calibration_peak(row, True), 40.0, "graphed")
+    calibration.observe(2, graphed, needed_peak(row, True), 40.0, "graphed")
     assert calibration.ratio(2, plain) == pytest.approx(39 / 40) and calibration.ratio(2, graphed) == 63 / 40
     calibration.observe_oom(2, graphed, 100.0, "graphed at a larger micro batch")
     assert calibration.verdict(2, graphed, 100.0)[0] == "pruned"
