@@ -172,8 +172,8 @@ def _graph_rules(axes: dict[str, list[Any]], base: dict[str, Any], defaults: Tra
     blocked = [f"{name}={bad}" for name, bad in GRAPH_BLOCKERS.items() if all(v == bad for v in values[name])]
     if blocked:
         if requested:
-            raise UserError(f"--set cudagraphs: no point of this space can replay its blocks as CUDA graphs "
-                            f"({', '.join(blocked)} everywhere; pretrain needs --compile, ZeRO 0-2 and no "
+            raise UserError(f"cudagraphs (--set or the space file): no point of this space can replay its blocks as "
+                            f"CUDA graphs ({', '.join(blocked)} everywhere; pretrain needs --compile, ZeRO 0-2 and no "
                             f"activation checkpointing for it); add --set compile=true, or drop cudagraphs")
         axes["cudagraphs"] = [False]
         return []

@@ -297,7 +297,7 @@ def test_cuda_graphs_are_searched_only_where_pretrain_takes_them(tiny_shards, tm
     assert len(load_grid(tmp_path / "full.yaml").points()) == len(ids)
 
     refused = tune(*space, "--out", str(tmp_path / "refused"))        # compile left off: no graph can be made
-    assert refused.returncode == 2 and "--set cudagraphs: no point of this space" in refused.stderr
+    assert refused.returncode == 2 and "cudagraphs (--set or the space file): no point of this space" in refused.stderr
     assert "compile=False everywhere" in refused.stderr and "add --set compile=true" in refused.stderr
     assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
     assert not (tmp_path / "refused").exists()
