@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.common import atomic_write_bytes
-from pretrain.study.report import (DATA_WAIT_TARGET, group_by, group_label, largest, model_groups, ok_rows,
-                                   stage_label, stage_order)
+from pretrain.study.report import (DATA_WAIT_TARGET, group_by, group_label, largest, largest_needed, model_groups,
+                                   ok_rows, stage_label, stage_order)
 
 PLOTS = {"throughput": "throughput.png", "memory": "memory.png", "data_wait": "data_wait.png",
          "step_time": "step_time.png", "host_cpu": "host_cpu.png"}
@@ -99,7 +99,7 @@ def plot_memory(rows: list[dict[str, Any]], path: Path) -> Path:
         stages = stage_order(group)
         by_stage = [[r for r in group if (r["zero"], r["offload"]) == stage] for stage in stages]
         positions = range(len(stages))
-        ax.bar([p - width for p in positions], [largest(ok_rows(g), "peak_mem_gib", 0.0) for g in by_stage], width,
+        ax.bar([p - width for p in positions], [largest_needed(ok_rows(g), 0.0) for g in by_stage], width,
                label="measured peak", color="tab:blue")
         ax.bar(list(positions), [largest(g, "est_gpu_gib", 0.0) for g in by_stage], width,
                label="estimate per device", color="tab:orange")

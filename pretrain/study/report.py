@@ -56,6 +56,13 @@ def largest(rows: Iterable[dict[str, Any]], key: str, default: Any = None) -> An
     return max((r[key] for r in rows if r.get(key) is not None), default=default)
 
 
+def largest_needed(rows: Iterable[dict[str, Any]], default: Any = None) -> Any:
+    """The largest memory the rows' runs needed at their peak (pretrain.metrics.needed_peak: a --cudagraphs run's
+    reserved peak, which holds the graphs' pools, else the allocated one), else `default`."""
+    peaks = [needed_peak(r, bool(r.get("cudagraphs"))) for r in rows]
+    return max((peak for peak in peaks if peak is not None), default=default)
+
+
 def group_by(rows: Iterable[dict[str, Any]], *keys: str) -> dict[tuple, list[dict[str, Any]]]:
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
@@ -251,7 +258,7 @@ def stage_comparison(rows: list[dict[str, Any]]) -> str:
             body.append([stage_label(zero, offload), format_rate(best["tokens_per_s"]),
                          _fmt(best["tokens_per_s"] / fastest, ".2f", 1, "x"), _fmt(best.get("step_time_s"), ".3g"),
                          _fmt(best.get("data_wait_share"), ".2f", 100, "%"),
-                         _fmt(largest(stage_ok, "peak_mem_gib"), ".3g"),
+                         _fmt(largest_needed(stage_ok), ".3g"),
                          _fmt(best.get("est_gpu_gib"), ".3g"), _fmt(best.get("est_cpu_gib"), ".3g"), count])
         header = ["stage", "best throughput", "vs fastest", "step s", "data wait", "max peak GiB", "est GPU GiB",
                   "est CPU GiB", "points ok"]

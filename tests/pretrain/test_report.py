@@ -77,6 +77,9 @@ def test_the_table_shows_reserved_memory_where_it_was_recorded(rows):
     accuracy = report.estimate_accuracy([dict(graphed[0], status="ok", est_gpu_gib=40.0, cudagraphs=True)])
     assert "(63.2 vs 40 GiB)" in accuracy[0]
     assert "(30.5 vs 40 GiB)" in report.estimate_accuracy([dict(graphed[0], status="ok", est_gpu_gib=40.0)])[0]
+    # the per-stage comparison's max peak (and the memory plot's bar) likewise
+    stages = report.stage_comparison([dict(graphed[0], status="ok", est_gpu_gib=40.0, cudagraphs=True)])
+    assert "| 63.2 | 40 |" in stages
 
 
 def test_fastest_configuration_follows_the_data(rows):
