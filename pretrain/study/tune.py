@@ -148,17 +148,15 @@ def default_axes(per_rank_examples: int, cores_per_rank: int) -> dict[str, list[
 
 def _default_graphs(axes: dict[str, list[Any]], base: dict[str, Any]) -> list[dict[str, Any]]:
     """On GPUs the space holds --cudagraphs off and on unless the user set it (`_graph_rules` then keeps it to the
-    points that can take it), where it can pay and is known to train the same: not under offload (the step waits on
-    CPU-Adam there, not on kernel launches), not at FP8 (FP8 with graphs has no loss-parity figure yet, docs/tune.md);
-    `--set cudagraphs=false,true` asks for it everywhere pretrain takes it. Returns the rules that keep it off there."""
-    precisions = axes.get("precision") or [base.get("precision", "auto")]
+    points that can take it), where it can pay: not under offload (the step waits on CPU-Adam there, not on kernel
+    launches); `--set cudagraphs=false,true` asks for it everywhere pretrain takes it. Returns the rule that keeps it
+    off there. (Graphs train as the same code without them, in bf16 and in FP8: docs/pretrain.md.)"""
     offloads = axes.get("offload") or [base.get("offload", "none")]
-    if all(p == "fp8" for p in precisions) or "none" not in offloads:
+    if "none" not in offloads:
         return []
     axes["cudagraphs"] = [False, True]
-    rules = [{"precision": "fp8", "cudagraphs": True}] if "fp8" in precisions else []
     offloaded = [o for o in offloads if o != "none"]
-    return rules + ([{"offload": offloaded, "cudagraphs": True}] if offloaded else [])
+    return [{"offload": offloaded, "cudagraphs": True}] if offloaded else []
 
 
 def _graph_rules(axes: dict[str, list[Any]], base: dict[str, Any], defaults: TrainConfig,
