@@ -197,7 +197,6 @@ class StudyGrid:
             _in_file(where, lambda: config.grad_accum(config.nproc))
         return config
 
-
     def _combination(self, values: dict[str, Any], build: Callable[[dict[str, Any]], Any]) -> dict[str, Any] | None:
         """The axis values of a point pretrain refuses that make it refused together: those of the axes where another
         of the grid's values makes the point valid (zero 3 with cudagraphs true: both); None unless two or more do

@@ -32,10 +32,10 @@ from pipeline.common import UserError, atomic_write_bytes, atomic_write_json, de
 from pipeline.settings import read_yaml
 from pretrain.config import STAGE3_TUNABLES, ZERO_STAGES, TrainConfig
 from pretrain.data import storage
+from pretrain.metrics import needed_peak
 from pretrain.runlock import TUNE_LOCK_NAME, RunLock, acquire_run_lock
 from pretrain.study import tune_report
 from pretrain.study.grid import AXIS_NAMES, GRID_KEYS, SKIP_STEPS_KEY, StudyGrid, as_list, load_grid
-from pretrain.metrics import needed_peak
 from pretrain.study.results import result_row
 from pretrain.study.runner import Sweep, machine_info, new_counts, run_points
 from pretrain.study.tune_compare import compare_with_grid, grid_rows
@@ -146,12 +146,18 @@ def default_axes(per_rank_examples: int, cores_per_rank: int) -> dict[str, list[
             "loader": ["shards"], "omp_num_threads": [None, *threads]}
 
 
-def _default_graphs(axes: dict[str, list[Any]], base: dict[str, Any]) -> list[dict[str, Any]]:
+def _values(axes: dict[str, list[Any]], base: dict[str, Any], name: str, defaults: TrainConfig) -> list[Any]:
+    """The values a setting takes in the space: its axis, else its fixed value, else pretrain's default."""
+    return axes.get(name) or [base.get(name, getattr(defaults, name))]
+
+
+def _default_graphs(axes: dict[str, list[Any]], base: dict[str, Any], defaults: TrainConfig
+                    ) -> list[dict[str, Any]]:
     """On GPUs the space holds --cudagraphs off and on unless the user set it (`_graph_rules` then keeps it to the
     points that can take it), where it can pay: not under offload (the step waits on CPU-Adam there, not on kernel
     launches); `--set cudagraphs=false,true` asks for it everywhere pretrain takes it. Returns the rule that keeps it
     off there. (Graphs train as the same code without them, in bf16 and in FP8: docs/pretrain.md.)"""
-    offloads = axes.get("offload") or [base.get("offload", "none")]
+    offloads = _values(axes, base, "offload", defaults)
     if "none" not in offloads:
         return []
     axes["cudagraphs"] = [False, True]
@@ -163,10 +169,9 @@ def _graph_rules(axes: dict[str, list[Any]], base: dict[str, Any], defaults: Tra
                  requested: bool) -> list[dict[str, Any]]:
     """Exclude rules that keep --cudagraphs to the points pretrain takes it at (GRAPH_BLOCKERS). Where no point can
     take it, the axis is left at its default, or, if the user asked for it (`requested`), refused in one line."""
-    on = True in (axes.get("cudagraphs") or [base.get("cudagraphs", defaults.cudagraphs)])
-    if not on:
+    if True not in _values(axes, base, "cudagraphs", defaults):
         return []
-    values = {name: axes.get(name) or [base.get(name, getattr(defaults, name))] for name in GRAPH_BLOCKERS}
+    values = {name: _values(axes, base, name, defaults) for name in GRAPH_BLOCKERS}
     blocked = [f"{name}={bad}" for name, bad in GRAPH_BLOCKERS.items() if all(v == bad for v in values[name])]
     if blocked:
         if requested:
@@ -186,8 +191,7 @@ def _rules(axes: dict[str, list[Any]], base: dict[str, Any], requested: frozense
     CPU-Adam, i.e. offload). An axis whose setting applies nowhere in the space (threads without offload, tunables
     without stage 3) is left at its default; `requested`: the axes the user named (--set, the space file)."""
     defaults = TrainConfig(data="-", out="-")
-    zeros = axes.get("zero") or [base.get("zero", defaults.zero)]
-    offloads = axes.get("offload") or [base.get("offload", defaults.offload)]
+    zeros, offloads = _values(axes, base, "zero", defaults), _values(axes, base, "offload", defaults)
     rules = []
     if 0 in zeros and any(o != "none" for o in offloads):
         rules.append({"zero": 0, "offload": [o for o in offloads if o != "none"]})
@@ -245,11 +249,11 @@ def space_grid(options: TuneOptions, cores: int, steps: int, gpus: bool = False)
         base.pop(axis, None)
     axes = {axis: values for axis, values in axes.items() if axis not in base}
     requested = frozenset([*grid_axes, *(raw.get("base") or {}), *(axis for axis, _ in sets)])
-    graph_rules = _default_graphs(axes, base) if gpus and "cudagraphs" not in requested else []
+    defaults = TrainConfig(data="-", out="-")
+    graph_rules = _default_graphs(axes, base, defaults) if gpus and "cudagraphs" not in requested else []
     exclude = [*(raw.get("exclude") or []), *graph_rules, *_rules(axes, base, requested)]
     for axis in [a for a, values in axes.items() if len(values) == 1]:   # one value: a shared setting, not an axis
         base[axis] = axes.pop(axis)[0]
-    defaults = TrainConfig(data="-", out="-")
     default = {axis: getattr(defaults, axis) for axis in axes}
     if "micro_batch" in default and (global_batch // nproc) % default["micro_batch"]:
         default["micro_batch"] = max(m for m in axes["micro_batch"] if m <= defaults.micro_batch)
