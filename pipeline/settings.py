@@ -92,7 +92,8 @@ def add_flags(parser: argparse.ArgumentParser | Any, cls: type, *, skip: tuple[s
         kind = _base_type(hints[f.name])
         options: dict[str, Any] = {"dest": f.name, "help": _help_text(f), "default": argparse.SUPPRESS}
         if kind is bool:
-            options["action"] = "store_true" if f.default is not True else argparse.BooleanOptionalAction
+            # a switch off by default; one on by default, or decided at run time (None), also gets --no-NAME
+            options["action"] = "store_true" if f.default is False else argparse.BooleanOptionalAction
         else:
             if kind is list:
                 options["nargs"] = f.metadata.get("nargs") or "+"

@@ -71,10 +71,12 @@ class TrainConfig:
     activation_checkpointing: bool = setting(False, "recompute activations in backward")
     compile: bool = setting(False, "torch.compile each block's forward and the loss chunk (every stage; "
                                    "~10-30 s on the first step)")
-    cudagraphs: bool = setting(False, "with --compile: Inductor replays each block's forward and backward as CUDA "
-                                      "graphs (torch.compile mode reduce-overhead), one launch where the host "
-                                      "launched every kernel, for steps the host holds back (FP8's); ZeRO 0-2, no "
-                                      "activation checkpointing; the CPU runs the same code without graphs")
+    cudagraphs: bool | None = setting(None, "Inductor replays each compiled block's forward and backward as CUDA "
+                                             "graphs (torch.compile mode reduce-overhead), one launch where the host "
+                                             "launched every kernel; needs --compile, ZeRO 0-2 and no activation "
+                                             "checkpointing; auto: on for such runs on CUDA without offload "
+                                             "(--no-cudagraphs: off); the CPU runs the same code without graphs",
+                                      default_text="auto")
     loader_workers: int = setting(0, "DataLoader workers per rank")
     prefetch_factor: int = setting(2, "batches prefetched per loader worker")
     save_every: int = setting(0, "checkpoint every N steps (0: only at the end of the launch)")
@@ -173,10 +175,10 @@ class TrainConfig:
                               ("loader", LOADERS), ("cpu_affinity", CPU_AFFINITIES)):
             need(getattr(self, name) in allowed,
                  f"--{name.replace('_', '-')} must be one of {', '.join(map(str, allowed))}; got {getattr(self, name)!r}")
-        need(not self.cudagraphs or self.compile, "--cudagraphs replays the compiled blocks: add --compile")
-        need(not self.cudagraphs or self.zero < 3, "--cudagraphs: ZeRO 3 gathers each block's weights to new "
+        need(self.cudagraphs is not True or self.compile, "--cudagraphs replays the compiled blocks: add --compile")
+        need(self.cudagraphs is not True or self.zero < 3, "--cudagraphs: ZeRO 3 gathers each block's weights to new "
              "addresses every step, which a CUDA graph cannot replay; use --zero 0-2 or drop --cudagraphs")
-        need(not self.cudagraphs or not self.activation_checkpointing,
+        need(self.cudagraphs is not True or not self.activation_checkpointing,
              "--cudagraphs with --activation-checkpointing: the recomputed forward would run outside the graphs; "
              "pick one")
         need(self.offload == "none" or self.zero >= 1,
@@ -263,6 +265,15 @@ class TrainConfig:
 
     def resolved_global_batch(self, world_size: int) -> int:
         return self.micro_batch * world_size * self.grad_accum(world_size)
+
+    def graphs_on(self, cuda: bool) -> bool:
+        """--cudagraphs resolved for a run on CUDA (cuda=True) or not: as given, or auto (None): on for compiled
+        ZeRO 0-2 runs on CUDA without activation checkpointing or offload (measured: docs/pretrain.md, "The compiled
+        blocks as CUDA graphs"; offload's step waits on CPU-Adam, which graphs do not shorten, and is not measured)."""
+        if self.cudagraphs is not None:
+            return self.cudagraphs
+        return (cuda and self.compile and self.zero < 3 and not self.activation_checkpointing
+                and self.offload == "none")
 
     def replace(self, **changes: Any) -> "TrainConfig":
         """A copy with `changes`, validated again."""

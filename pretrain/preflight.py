@@ -268,9 +268,10 @@ def describe(plan: Plan, config, precision: str) -> str:
         from pretrain.model.t5 import fp8_bf16_parts
         lines += [f"[preflight] fp8: in bf16, {part}" for part in fp8_bf16_parts(
             plan.model_config, config.micro_batch, plan.input_length, plan.target_length)]
-    if config.cudagraphs and dev["kind"] == "cuda":
-        lines.append("[preflight] cudagraphs: the graphs' private pools come on top of this estimate (mt5-large: "
-                     "none through pretrain at micro 32 x 2, 33 GiB for the model alone at batch 64); "
+    if dev["kind"] == "cuda" and config.graphs_on(cuda=True):
+        auto = " (auto; --no-cudagraphs: off)" if config.cudagraphs is None else ""
+        lines.append(f"[preflight] cudagraphs{auto}: the graphs' private pools come on top of this estimate "
+                     "(mt5-large: none through pretrain at micro 32 x 2, 33 GiB for the model alone at batch 64); "
                      "metrics.jsonl's peak_reserved_gib shows them")
     lines += [f"[preflight] WARNING (--force): {warning}" for warning in plan.warnings]
     return "\n".join(lines)

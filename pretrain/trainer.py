@@ -173,10 +173,12 @@ class Trainer:
 
         from pretrain.data.modes import open_loader
         from pretrain.ds_config import build_ds_config, resolve_precision
-        self.config, self.plan, self.env = config, plan, env
-        self.timeline = timeline
         self.accelerator = get_accelerator()
         self.on_cpu = self.accelerator.device_name() == "cpu"
+        # --cudagraphs auto -> on or off for this device; config.json records what ran
+        config = config.replace(cudagraphs=config.graphs_on(cuda=self.accelerator.device_name() == "cuda"))
+        self.config, self.plan, self.env = config, plan, env
+        self.timeline = timeline
         self.device = torch.device("cpu") if self.on_cpu else torch.device(self.accelerator.device_name(),
                                                                             env.local_rank)
         self.run_dir = Path(config.out)

@@ -33,11 +33,12 @@ RUNS_DIR = "runs"
 RESULTS_CSV = "results.csv"
 FINISHED_STATUSES = ("ok", "failed", "oom", "timeout")
 HOST_COLUMNS = HOST_KEYS      # rank 0's host accounting, medians over the steady steps (pretrain.hostcpu)
-METRIC_COLUMNS = ("repeat", "global_batch", "grad_accum", "steps", "status", "reason", "steps_done", "steps_measured",
-                  "tokens_per_s", "tokens_per_s_spread", "samples_per_s", "tflops_per_gpu", "mfu", "step_time_s",
-                  "data_wait_s", "compute_s", *PHASE_KEYS, "data_wait_share", "peak_mem_gib", "peak_reserved_gib",
-                  "est_gpu_gib", "est_cpu_gib", "est_method", "wall_s", *HOST_COLUMNS)
-"""The columns after the axes; a TrainConfig field among them (steps, global_batch) is typed as the field."""
+METRIC_COLUMNS = ("repeat", "global_batch", "grad_accum", "steps", "cudagraphs", "status", "reason", "steps_done",
+                  "steps_measured", "tokens_per_s", "tokens_per_s_spread", "samples_per_s", "tflops_per_gpu", "mfu",
+                  "step_time_s", "data_wait_s", "compute_s", *PHASE_KEYS, "data_wait_share", "peak_mem_gib",
+                  "peak_reserved_gib", "est_gpu_gib", "est_cpu_gib", "est_method", "wall_s", *HOST_COLUMNS)
+"""The columns after the axes; a TrainConfig field among them (steps, global_batch, cudagraphs: what the run
+resolved, its auto included, which sets the memory it needed) is typed as the field."""
 INT_COLUMNS = {"repeat", "grad_accum", "steps_done", "steps_measured"}
 FLOAT_COLUMNS = {"tokens_per_s", "tokens_per_s_spread", "samples_per_s", "tflops_per_gpu", "mfu", "step_time_s",
                  "data_wait_s", "compute_s", *PHASE_KEYS, "data_wait_share", "peak_mem_gib", "peak_reserved_gib",
@@ -84,7 +85,11 @@ def _parse(column: str, text: str) -> Any:
 
 def csv_axes(header: Iterable[str]) -> tuple[str, ...]:
     """The axes of a results.csv: the classic ones, then every other pretrain-setting column before the metrics."""
-    extra = [c for c in header if c in _SETTINGS and c not in CLASSIC_AXES and c not in METRIC_COLUMNS]
+    header = list(header)
+    if "repeat" in header:      # the metrics begin there: a setting before it is an axis (cudagraphs may be either)
+        extra = [c for c in header[:header.index("repeat")] if c in _SETTINGS and c not in CLASSIC_AXES]
+    else:                       # a file from before repeats
+        extra = [c for c in header if c in _SETTINGS and c not in CLASSIC_AXES and c not in METRIC_COLUMNS]
     return (*CLASSIC_AXES, *extra)
 
 
@@ -134,7 +139,7 @@ def result_row(record: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     row.update(point_id=record["point_id"], repeat=record.get("repeat", 1), status=record["status"],
                reason=record.get("reason", ""),
                steps=config["steps"], global_batch=launched.get("global_batch", config["global_batch"]),
-               wall_s=record.get("wall_s"))
+               cudagraphs=(launched.get("train") or config).get("cudagraphs"), wall_s=record.get("wall_s"))
     row.update(summarize_metrics(read_metrics(run_dir / "metrics.jsonl"), config["steady_skip"]))
     if launched:
         estimate = launched.get("memory_estimate") or {}

@@ -255,6 +255,10 @@ def space_grid(options: TuneOptions, cores: int, steps: int, gpus: bool = False)
     for axis in [a for a, values in axes.items() if len(values) == 1]:   # one value: a shared setting, not an axis
         base[axis] = axes.pop(axis)[0]
     default = {axis: getattr(defaults, axis) for axis in axes}
+    if "cudagraphs" in default:     # pretrain's auto, as it resolves at the default point on this machine
+        at = {name: default.get(name, base.get(name, getattr(defaults, name)))
+              for name in ("compile", "zero", "activation_checkpointing", "offload")}
+        default["cudagraphs"] = defaults.replace(**at).graphs_on(cuda=gpus)
     if "micro_batch" in default and (global_batch // nproc) % default["micro_batch"]:
         default["micro_batch"] = max(m for m in axes["micro_batch"] if m <= defaults.micro_batch)
     base.update(steps=steps, **{SKIP_STEPS_KEY: options.skip_steps})
@@ -358,7 +362,6 @@ def calibrate_from(dirs: list[str], calibration: Calibration, device: dict[str, 
         path = Path(study)
         records = finished_points(path)
         rows = [result_row(record, run_dir) for record, run_dir in records]
-        graphed = {record["point_id"]: record["config"].get("cudagraphs") for record, _ in records}
         if not rows and (path / "results.csv").is_file():
             rows = read_results_csv(path / "results.csv")
         if not rows:
@@ -369,7 +372,7 @@ def calibrate_from(dirs: list[str], calibration: Calibration, device: dict[str, 
         ran_on = _ran_on(path) or device
         for row in rows:
             if row["status"] == "ok" and row.get("est_gpu_gib") is not None:
-                graphs = bool(graphed.get(row["point_id"], row.get("cudagraphs")))
+                graphs = bool(row.get("cudagraphs"))    # as the run resolved it (results.result_row)
                 estimate = device_figure(row["est_gpu_gib"], row.get("est_cpu_gib") or 0.0, int(row.get("nproc") or 1),
                                          ran_on)
                 calibration.observe(row["zero"], memory_setting(row["offload"], graphs), needed_peak(row, graphs),
@@ -587,7 +590,8 @@ def open_tune(options: TuneOptions) -> Tune:
                        "pick another study tune --out")
     shards = str(grid.data)
     device = device_info(options, grid.base)
-    configs = grid.points(shards, options.out / "runs")
+    cuda = device["kind"] == "cuda"      # each candidate as pretrain runs it here: --cudagraphs' auto resolved
+    configs = [config.replace(cudagraphs=config.graphs_on(cuda)) for config in grid.points(shards, options.out / "runs")]
     shape, figures = model_arithmetic(grid, manifest, configs, device)
     state.update(device=device, shape=dataclasses.asdict(shape), space=grid_dict, launches=[])
     calibration = Calibration(capacity_gib=device["capacity_gib"], margin=options.memory_margin)

@@ -53,6 +53,8 @@ def compare_with_grid(tune, study_dir: Path, rows: list[dict[str, Any]]) -> dict
     # pretrain's default there: its results do not say otherwise
     defaults = TrainConfig(data="-", out="-")
     unvaried = {axis: getattr(defaults, axis) for axis in tune.grid.axes if axis not in rows[0]}
+    if "cudagraphs" in unvaried:    # rows carry what each run resolved since auto; older ones ran without graphs
+        unvaried["cudagraphs"] = False
     rows = [{**unvaried, **row} for row in rows]
     axes = [axis for axis in dict.fromkeys([*CLASSIC_AXES, *tune.grid.axes]) if axis in rows[0]]
     grid_s = sum(float(r.get("wall_s") or 0.0) for r in rows if (r.get("repeat") or 1) == 1)

@@ -116,7 +116,8 @@ def prior_terms_s(config, shape: Shape, priors: dict[str, float], rate: float) -
 
 @dataclass
 class CostModel:
-    """Predicted step time and tokens/s of a candidate; `refit` after each measurement."""
+    """Predicted step time and tokens/s of a candidate (its `cudagraphs` resolved, as the tune's candidates are);
+    `refit` after each measurement."""
 
     priors: dict[str, float]
     rate: float                               # effective FLOP/s per rank at the prior

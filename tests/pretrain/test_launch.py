@@ -64,6 +64,22 @@ def test_bad_settings_are_refused_with_one_clear_line(argv, message):
         resolve_config(BASE + argv)
 
 
+@pytest.mark.parametrize("argv, cuda, on", [
+    (["--compile"], True, True),                                   # auto: a compiled ZeRO 0-2 run on CUDA
+    (["--compile", "--zero", "0"], True, True),
+    (["--compile"], False, False),                                 # the CPU runs the same code without graphs
+    ([], True, False),                                             # nothing compiled to replay
+    (["--compile", "--zero", "3"], True, False),                   # gathers to new addresses every step
+    (["--compile", "--activation-checkpointing"], True, False),    # the recomputed forward runs outside them
+    (["--compile", "--offload", "cpu"], True, False),              # the step waits on CPU-Adam; not measured
+    (["--compile", "--no-cudagraphs"], True, False),
+    (["--compile", "--cudagraphs", "--offload", "cpu"], True, True),   # asked for: as given
+    (["--compile", "--cudagraphs"], False, True),
+])
+def test_cudagraphs_auto_is_on_where_the_blocks_can_be_graphs(argv, cuda, on):
+    assert resolve_config(BASE + argv).graphs_on(cuda=cuda) is on
+
+
 def test_an_nvme_path_that_is_a_file_is_refused(tmp_path):
     a_file = tmp_path / "a-file"
     a_file.write_text("")

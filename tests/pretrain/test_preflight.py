@@ -186,8 +186,8 @@ def test_run_dir_and_batch_checks(tiny_shards, tmp_path, capsys):
 
 
 def test_the_summary_says_cuda_graphs_pools_come_on_top_of_the_estimate():
-    """On a GPU, `--cudagraphs` runs are told the estimate leaves the graphs' pools out (they showed as 33 GiB more
-    reserved); elsewhere (CPU runs the same code without graphs) nothing is said."""
+    """On a GPU, `--cudagraphs` runs (given, or auto) are told the estimate leaves the graphs' pools out (they showed as
+    33 GiB more reserved in the model benchmark); elsewhere (CPU runs the same code without graphs) nothing is said."""
     from pretrain.config import TrainConfig
     from pretrain.preflight import Plan, describe
 
@@ -200,7 +200,11 @@ def test_the_summary_says_cuda_graphs_pools_come_on_top_of_the_estimate():
                         tokenizer_sha256="0" * 64, device=device, memory_estimate=estimate)
              for kind, device in (("gpu", gpu), ("cpu", cpu))}
     graphed = TrainConfig(data="shards", out="run", compile=True, cudagraphs=True)
-    plain = TrainConfig(data="shards", out="run", compile=True)
+    auto = TrainConfig(data="shards", out="run", compile=True)
+    plain = TrainConfig(data="shards", out="run", compile=True, cudagraphs=False)
     assert "cudagraphs: the graphs' private pools come on top" in describe(plans["gpu"], graphed, "bf16")
+    assert "cudagraphs (auto; --no-cudagraphs: off): the graphs' private pools" in describe(plans["gpu"], auto, "bf16")
     assert "cudagraphs" not in describe(plans["gpu"], plain, "bf16")
+    assert "cudagraphs" not in describe(plans["gpu"], auto.replace(compile=False), "bf16")
     assert "cudagraphs" not in describe(plans["cpu"], graphed, "fp32")
+    assert "cudagraphs" not in describe(plans["cpu"], auto, "fp32")

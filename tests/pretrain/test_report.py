@@ -189,3 +189,26 @@ def test_report_cli_on_a_read_only_study_is_one_line_and_keeps_its_files(tmpfs):
     assert f"make {study_dir} writable" in result.stderr
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert (study_dir / results.RESULTS_CSV).read_bytes() == ASSET.read_bytes()
+
+
+def test_a_row_carries_the_cudagraphs_its_run_resolved(rows, tmp_path):
+    """results.csv's `cudagraphs` column is what the run resolved (config.json), its auto included, so a grid that
+    does not vary it still reads a graphed run's reserved peak as the memory it needed; as an axis it stays one."""
+    import json
+
+    record = {"point_id": "p", "point": {"model": "mt5-large", "zero": 2}, "status": "ok",
+              "config": {"steps": 12, "global_batch": 64, "steady_skip": 5, "cudagraphs": None}}
+    run_dir = tmp_path / "p"
+    run_dir.mkdir()
+    assert results.result_row(record, run_dir)["cudagraphs"] is None           # never launched: as the point says
+    (run_dir / "config.json").write_text(json.dumps({"train": {"cudagraphs": True}, "global_batch": 64}))
+    row = {**rows[0], **results.result_row(record, run_dir), "peak_mem_gib": 29.3, "peak_reserved_gib": 42.7,
+           "est_gpu_gib": 40.0}
+    assert row["cudagraphs"] is True and "(42.7 vs 40 GiB)" in report.estimate_accuracy([row])[0]
+    results.write_results_csv([row], tmp_path / "results.csv")
+    again = results.read_results_csv(tmp_path / "results.csv")[0]
+    assert again["cudagraphs"] is True and "cudagraphs" not in results.csv_axes(list(again))
+    axis = dict(row, point_id="q")
+    results.write_results_csv([axis], tmp_path / "axis.csv", axes=(*results.CLASSIC_AXES, "cudagraphs"))
+    header = (tmp_path / "axis.csv").read_text().splitlines()[0].split(",")
+    assert results.csv_axes(header)[-1] == "cudagraphs" and header.count("cudagraphs") == 1

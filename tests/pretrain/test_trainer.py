@@ -105,7 +105,10 @@ def test_every_zero_stage_gives_the_same_losses_and_the_loss_falls(runs):
     assert stop1["deepspeed"]["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     # ZeRO 3 built the model partitioned (zero.Init): each of the 2 ranks held about half of the weights from the
     # start (each parameter's partition is padded to a multiple of the world size); stages 0-2 hold all of them
-    assert json.loads((runs.dir("stop3") / "config.json").read_text())["train"]["compile"] is True
+    stop3 = json.loads((runs.dir("stop3") / "config.json").read_text())["train"]
+    # config.json records --cudagraphs as the run resolved it: auto is off on the CPU, given is as given
+    assert stop3["compile"] is True and stop3["cudagraphs"] is False
+    assert json.loads((runs.dir("stop0") / "config.json").read_text())["train"]["cudagraphs"] is True
     # --profile-steps 1: rank 0 profiled the launch's last step, which the summary's medians leave out
     assert [r["profiled"] for r in runs.metrics("stop3")] == [False, False, True]
     assert json.loads((runs.dir("stop3") / "summary.json").read_text())["steady_steps"] == 1

@@ -314,6 +314,12 @@ def test_cuda_graphs_are_searched_only_where_pretrain_takes_them(tiny_shards, tm
     assert axes("compile=true", "precision=fp8")[0]["cudagraphs"] == [False, True]    # FP8 too (its parity holds)
     assert {"offload": ["cpu"], "cudagraphs": True} in rules                # the default space's offload points
     assert axes("compile=true", "offload=cpu")[0].get("cudagraphs", [False]) == [False]
+    # pretrain's default point is measured as pretrain resolves it there: auto, i.e. graphs for a compiled ZeRO 2
+    options = TuneOptions(out=tmp_path / "x", data="shards", model="t5-tiny", nproc=1, global_batch=16,
+                          sets=["zero=2,3", "compile=true"])
+    assert space_grid(options, cores=8, steps=6, gpus=True)["include"][0]["cudagraphs"] is True
+    options.sets = ["zero=2,3", "compile=false,true"]
+    assert space_grid(options, cores=8, steps=6, gpus=True)["include"][0]["cudagraphs"] is False
 
 
 @pytest.mark.slow   # two compiled launches (~65 s here); the ratio's arithmetic is in test_tune_model.py

@@ -82,14 +82,14 @@ def test_several_measured_siblings_anchor_by_their_median():
 def test_cuda_graphs_are_their_own_compute_and_their_own_memory():
     """--cudagraphs changes the step (its own compute key, a term of its own that the first graphed launch refits)
     and the memory (its own calibration, from the reserved peak, which holds the graphs' pools)."""
-    graphed, plain = config(cudagraphs=True), config()
+    graphed, plain = config(cudagraphs=True), config(cudagraphs=False)
     assert compute_key(graphed) != compute_key(plain)
     gpu, cpu = CostModel.for_device(H200), CostModel.for_device({"kind": "cpu"})
     assert gpu.predict(graphed, SHAPE)["compute_s"] < gpu.predict(plain, SHAPE)["compute_s"]
     assert cpu.predict(graphed, SHAPE)["compute_s"] == cpu.predict(plain, SHAPE)["compute_s"]   # no graphs on CPU
 
     # one graphed launch alone says nothing of the others: they keep the model's figure
-    small, small_graphed = config(micro_batch=16), config(micro_batch=16, cudagraphs=True)
+    small, small_graphed = config(micro_batch=16, cudagraphs=False), config(micro_batch=16, cudagraphs=True)
     gpu.refit([measured(graphed, 0.283)], SHAPE)
     assert gpu.predict(small_graphed, SHAPE)["graph_ratio"] is None and gpu.explain()["graph_ratio"] is None
     # a measured pair does (one H200, mt5-large ZeRO 2 at micro 32 x 2: 0.413 s a step without graphs, 0.283 s
