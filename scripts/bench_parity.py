@@ -150,13 +150,14 @@ def run_pretrain(variant: str, seed: int, args) -> dict:
 
 def pretrain_command(variant: str, seed: int, out: Path, args) -> list[str]:
     """The `pretrain` command line of one --pretrain run: the shared settings, then a flag per part of the variant's
-    name (PRETRAIN_FLAGS; a later --precision, fp8's, wins over the first)."""
+    name (PRETRAIN_FLAGS; a later --precision, fp8's, or --cudagraphs wins over the first: graphs only where the
+    name says, not by pretrain's auto)."""
     command = [sys.executable, "-m", "pretrain.cli", "--zero", "2", "--model", args.model, "--data", args.data,
                "--out", str(out), "--steps", str(args.steps), "--micro-batch", str(args.batch),
                "--global-batch", str(args.batch), "--lr", str(args.lr), "--warmup-steps", str(args.warmup),
                "--schedule", "constant", "--grad-clip", str(args.clip), "--weight-decay", "0", "--seed", str(seed),
                "--precision", args.precision, "--no-save-final", "--log-every", str(args.window), "--nproc", "1",
-               "--spike-sigmas", "0"]
+               "--spike-sigmas", "0", "--no-cudagraphs"]
     for part in parts(base_variant(variant))[1:]:
         command += PRETRAIN_FLAGS[part]
     return command
