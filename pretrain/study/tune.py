@@ -591,7 +591,7 @@ def open_tune(options: TuneOptions) -> Tune:
     shards = str(grid.data)
     device = device_info(options, grid.base)
     cuda = device["kind"] == "cuda"      # each candidate as pretrain runs it here: --cudagraphs' auto resolved
-    configs = [config.replace(cudagraphs=config.graphs_on(cuda)) for config in grid.points(shards, options.out / "runs")]
+    configs = [c.replace(cudagraphs=c.graphs_on(cuda)) for c in grid.points(shards, options.out / "runs")]
     shape, figures = model_arithmetic(grid, manifest, configs, device)
     state.update(device=device, shape=dataclasses.asdict(shape), space=grid_dict, launches=[])
     calibration = Calibration(capacity_gib=device["capacity_gib"], margin=options.memory_margin)
