@@ -299,6 +299,10 @@ def _setup_section(rows: list[dict[str, Any]], setup: dict[str, Any]) -> str:
         steps = sorted({r["steps"] for r in rows if r.get("steps")})
         batches = sorted({r["global_batch"] for r in rows if r.get("global_batch")})
         lines.append(f"- Every point: steps {steps}, global batch {batches}.")
+    graphed = sum(bool(r.get("cudagraphs")) for r in rows)
+    if graphed:         # also where no axis shows it: pretrain's auto turns graphs on for compiled GPU runs
+        lines.append(f"- CUDA graphs (`--cudagraphs` as each run resolved it, auto included; results.csv's "
+                     f"`cudagraphs`): {graphed} of {len(rows)} runs; their memory is their reserved peak.")
     if setup.get("earlier_machines"):
         lines.append(f"- Note: some points ran earlier on other machines ({len(setup['earlier_machines'])} recorded "
                      f"in study.json); compare rows with care.")

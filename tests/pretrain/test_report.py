@@ -208,6 +208,8 @@ def test_a_row_carries_the_cudagraphs_its_run_resolved(rows, tmp_path):
     results.write_results_csv([row], tmp_path / "results.csv")
     again = results.read_results_csv(tmp_path / "results.csv")[0]
     assert again["cudagraphs"] is True and "cudagraphs" not in results.csv_axes(list(again))
+    assert "CUDA graphs (`--cudagraphs` as each run resolved it" in report._setup_section([row, rows[1]], {})
+    assert "runs; their memory is their reserved peak" not in report._setup_section(rows, {})
     axis = dict(row, point_id="q")
     results.write_results_csv([axis], tmp_path / "axis.csv", axes=(*results.CLASSIC_AXES, "cudagraphs"))
     header = (tmp_path / "axis.csv").read_text().splitlines()[0].split(",")
