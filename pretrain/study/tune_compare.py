@@ -49,13 +49,12 @@ def _matches(config, row: dict[str, Any], axes: list[str]) -> bool:
 def compare_with_grid(tune, study_dir: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The tune's best against the grid's best (`rows`: the grid's runs, grid_rows), the two device times, and how
     the two spaces differ."""
-    # an axis of the tune that the grid did not vary (e.g. cudagraphs, which the tune adds on GPUs) counts at
-    # pretrain's default there: its results do not say otherwise
+    # an axis of the tune that a row has no value for (the grid did not vary it) counts at pretrain's default there:
+    # its results do not say otherwise. cudagraphs counts as off: rows carry what each run resolved since its auto
+    # (2026-12-05); a results.csv from before has no such column (read back as None), and graphs were opt-in then
     defaults = TrainConfig(data="-", out="-")
-    unvaried = {axis: getattr(defaults, axis) for axis in tune.grid.axes if axis not in rows[0]}
-    if "cudagraphs" in unvaried:    # rows carry what each run resolved since auto; older ones ran without graphs
-        unvaried["cudagraphs"] = False
-    rows = [{**unvaried, **row} for row in rows]
+    unrecorded = {axis: False if axis == "cudagraphs" else getattr(defaults, axis) for axis in tune.grid.axes}
+    rows = [{**row, **{axis: value for axis, value in unrecorded.items() if row.get(axis) is None}} for row in rows]
     axes = [axis for axis in dict.fromkeys([*CLASSIC_AXES, *tune.grid.axes]) if axis in rows[0]]
     grid_s = sum(float(r.get("wall_s") or 0.0) for r in rows if (r.get("repeat") or 1) == 1)
     points = combine_runs(rows)
