@@ -79,8 +79,13 @@ def test_ranking_early_stop_and_best_yaml_runs_as_is(tiny_shards, tmp_path):
     state = tune_state(out)
     launched = [launch["point_id"] for launch in state["launches"]]
     assert launched[0] == "t5-tiny-z2-none-mb8-w0-n1-s5"                 # the default, always measured first
-    assert not any("-mb1-" in point for point in launched), launched     # ranked last, never launched
+    # micro 1 is predicted slowest: launched, if at all (the cost model's margin widens when the 2 cores are busy
+    # with other work), only after every micro 16 point; and the early stop leaves something unmeasured
+    mb1 = [i for i, point in enumerate(launched) if "-mb1-" in point]
+    mb16 = [i for i, point in enumerate(launched) if "-mb16-" in point]
+    assert mb16 and all(i > max(mb16) for i in mb1), launched
     assert any("early stop" in stop for stop in state["stops"]) and "early stop" in result.stdout
+    assert len(launched) < len(state["candidates"]), launched
     assert "the defaults" in result.stdout
     md = (out / "tune.md").read_text()
     for c in state["candidates"]:
