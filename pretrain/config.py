@@ -38,6 +38,13 @@ def engine_precision(precision: str) -> str:
     return "bf16" if precision == "fp8" else precision
 
 
+AUTO_GRAPHS_MEMORY_SHARE = 0.75
+"""--cudagraphs auto leaves graphs off where the preflight's memory estimate fills more than this share of a
+device: their private pools come on top of the estimate (none through pretrain at mt5-large micro 32 x 2, 33 GiB
+for mt5-large alone at batch 64 in the model benchmark), and graphs are measured at mt5-base and mt5-large (estimates
+38-66% of a device), not at mt5-xl's 87% of an H200 (docs/pretrain.md)."""
+
+
 @dataclass
 class TrainConfig:
     """Everything one `pretrain` run needs; saved resolved as RUN_DIR/config.json["train"]."""
@@ -75,6 +82,7 @@ class TrainConfig:
                                              "graphs (torch.compile mode reduce-overhead), one launch where the host "
                                              "launched every kernel; needs --compile, ZeRO 0-2 and no activation "
                                              "checkpointing; auto: on for such runs on CUDA without offload "
+                                             "whose memory estimate leaves a quarter of the GPU free "
                                              "(--no-cudagraphs: off); the CPU runs the same code without graphs",
                                       default_text="auto")
     loader_workers: int = setting(0, "DataLoader workers per rank")
@@ -266,14 +274,16 @@ class TrainConfig:
     def resolved_global_batch(self, world_size: int) -> int:
         return self.micro_batch * world_size * self.grad_accum(world_size)
 
-    def graphs_on(self, cuda: bool) -> bool:
+    def graphs_on(self, cuda: bool, memory_share: float | None = None) -> bool:
         """--cudagraphs resolved for a run on CUDA (cuda=True) or not: as given, or auto (None): on for compiled
         ZeRO 0-2 runs on CUDA without activation checkpointing or offload (measured: docs/pretrain.md, "The compiled
-        blocks as CUDA graphs"; offload's step waits on CPU-Adam, which graphs do not shorten, and is not measured)."""
+        blocks as CUDA graphs"; offload's step waits on CPU-Adam, which graphs do not shorten, and is not measured),
+        and whose memory estimate fills at most AUTO_GRAPHS_MEMORY_SHARE of a device (`memory_share`, the
+        estimate over the device's memory, where known): the graphs' private pools come on top of the estimate."""
         if self.cudagraphs is not None:
             return self.cudagraphs
         return (cuda and self.compile and self.zero < 3 and not self.activation_checkpointing
-                and self.offload == "none")
+                and self.offload == "none" and (memory_share is None or memory_share <= AUTO_GRAPHS_MEMORY_SHARE))
 
     def replace(self, **changes: Any) -> "TrainConfig":
         """A copy with `changes`, validated again."""

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.common import UserError, sha256_file, usable_cores
+from pretrain.config import AUTO_GRAPHS_MEMORY_SHARE
 from pretrain.ds_config import resolve_precision
 from pretrain.model.memory import GIB, estimate_memory
 
@@ -44,6 +45,13 @@ class Plan:
     device: dict[str, Any]
     memory_estimate: dict[str, Any]
     warnings: list[str] = field(default_factory=list)
+
+    def memory_share(self) -> float | None:
+        """The memory estimate over one GPU's memory (what --cudagraphs auto weighs), None without a GPU."""
+        per_device = self.device.get("per_device_gib")
+        if self.device.get("kind") != "cuda" or not per_device:
+            return None
+        return self.memory_estimate["per_gpu_gib"] / per_device
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -268,10 +276,15 @@ def describe(plan: Plan, config, precision: str) -> str:
         from pretrain.model.t5 import fp8_bf16_parts
         lines += [f"[preflight] fp8: in bf16, {part}" for part in fp8_bf16_parts(
             plan.model_config, config.micro_batch, plan.input_length, plan.target_length)]
-    if dev["kind"] == "cuda" and config.graphs_on(cuda=True):
+    share = plan.memory_share()
+    if dev["kind"] == "cuda" and config.graphs_on(cuda=True, memory_share=share):
         auto = " (auto; --no-cudagraphs: off)" if config.cudagraphs is None else ""
         lines.append(f"[preflight] cudagraphs{auto}: the graphs' private pools come on top of this estimate "
                      "(mt5-large: none through pretrain at micro 32 x 2, 33 GiB for the model alone at batch 64); "
                      "metrics.jsonl's peak_reserved_gib shows them")
+    elif dev["kind"] == "cuda" and config.graphs_on(cuda=True):      # auto, off only for the memory
+        lines.append(f"[preflight] cudagraphs (auto): off, the estimate fills {share:.0%} of a GPU (auto takes "
+                     f"graphs up to {AUTO_GRAPHS_MEMORY_SHARE:.0%}: their private pools come on top of it); "
+                     "--cudagraphs asks for them")
     lines += [f"[preflight] WARNING (--force): {warning}" for warning in plan.warnings]
     return "\n".join(lines)

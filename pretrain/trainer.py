@@ -175,8 +175,9 @@ class Trainer:
         from pretrain.ds_config import build_ds_config, resolve_precision
         self.accelerator = get_accelerator()
         self.on_cpu = self.accelerator.device_name() == "cpu"
-        # --cudagraphs auto -> on or off for this device; config.json records what ran
-        config = config.replace(cudagraphs=config.graphs_on(cuda=self.accelerator.device_name() == "cuda"))
+        # --cudagraphs auto -> on or off for this device and the memory estimate; config.json records what ran
+        config = config.replace(cudagraphs=config.graphs_on(cuda=self.accelerator.device_name() == "cuda",
+                                                            memory_share=plan.memory_share()))
         self.config, self.plan, self.env = config, plan, env
         self.timeline = timeline
         self.device = torch.device("cpu") if self.on_cpu else torch.device(self.accelerator.device_name(),

@@ -348,6 +348,24 @@ def model_arithmetic(grid: StudyGrid, manifest: dict[str, Any], configs: list[Tr
     return shape, figures
 
 
+def resolve_graphs(configs: list[TrainConfig], figures: list[float], device: dict[str, Any],
+                   default: dict[str, Any]) -> tuple[list[TrainConfig], dict[str, Any]]:
+    """Each candidate as pretrain runs it on this machine: --cudagraphs' auto resolved, against the share of a GPU
+    its memory estimate fills (TrainConfig.graphs_on). `default` is pretrain's defaults on every axis (space_grid
+    put it first in the grid's include, auto resolved there without the estimate): returned with graphs off where
+    its point's estimate keeps auto from them, so the default marks the candidate pretrain would run."""
+    cuda, per_device = device["kind"] == "cuda", device.get("per_device_gib")
+    shares = [figure / per_device if cuda and per_device else None for figure in figures]
+    resolved = [c.replace(cudagraphs=c.graphs_on(cuda, share)) for c, share in zip(configs, shares)]
+    if default.get("cudagraphs") is True:
+        for c, share in zip(configs, shares):
+            if all(getattr(c, axis) == value for axis, value in default.items()):
+                if not c.replace(cudagraphs=None).graphs_on(cuda, share):
+                    default = {**default, "cudagraphs": False}
+                break
+    return resolved, default
+
+
 def device_figure(per_gpu: float, per_cpu: float, nproc: int, device: dict[str, Any]) -> float:
     """What pruning compares to the capacity: the estimate per GPU, or on CPU per rank (its device states and
     activations plus its share of the host states)."""
@@ -590,13 +608,12 @@ def open_tune(options: TuneOptions) -> Tune:
                        "pick another study tune --out")
     shards = str(grid.data)
     device = device_info(options, grid.base)
-    cuda = device["kind"] == "cuda"      # each candidate as pretrain runs it here: --cudagraphs' auto resolved
-    configs = [c.replace(cudagraphs=c.graphs_on(cuda)) for c in grid.points(shards, options.out / "runs")]
-    shape, figures = model_arithmetic(grid, manifest, configs, device)
+    points = grid.points(shards, options.out / "runs")
+    shape, figures = model_arithmetic(grid, manifest, points, device)
+    configs, default = resolve_graphs(points, figures, device, grid.include[0])
     state.update(device=device, shape=dataclasses.asdict(shape), space=grid_dict, launches=[])
     calibration = Calibration(capacity_gib=device["capacity_gib"], margin=options.memory_margin)
     calibrate_from(options.calibrate_from, calibration, device)
-    default = grid.include[0]      # pretrain's defaults on every axis (space_grid put them first)
     candidates = [Candidate(config=config, point_id=Path(config.out).name,
                             default=all(getattr(config, axis) == value for axis, value in default.items()),
                             estimate_gib=figure)

@@ -80,6 +80,17 @@ def test_cudagraphs_auto_is_on_where_the_blocks_can_be_graphs(argv, cuda, on):
     assert resolve_config(BASE + argv).graphs_on(cuda=cuda) is on
 
 
+def test_cudagraphs_auto_leaves_graphs_off_where_the_estimate_nearly_fills_the_gpu():
+    """Their private pools come on top of the estimate: auto takes them up to AUTO_GRAPHS_MEMORY_SHARE of a GPU;
+    asked for, they are on at any share; an unknown share (no estimate) does not hold auto back."""
+    from pretrain.config import AUTO_GRAPHS_MEMORY_SHARE
+    auto, asked = resolve_config(BASE + ["--compile"]), resolve_config(BASE + ["--compile", "--cudagraphs"])
+    assert auto.graphs_on(cuda=True, memory_share=0.38) and auto.graphs_on(cuda=True, memory_share=None)
+    assert auto.graphs_on(cuda=True, memory_share=AUTO_GRAPHS_MEMORY_SHARE)
+    assert not auto.graphs_on(cuda=True, memory_share=0.87)          # mt5-xl ZeRO 2, micro 32, on an H200
+    assert asked.graphs_on(cuda=True, memory_share=0.87)
+
+
 def test_an_nvme_path_that_is_a_file_is_refused(tmp_path):
     a_file = tmp_path / "a-file"
     a_file.write_text("")

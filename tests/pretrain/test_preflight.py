@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -208,3 +209,11 @@ def test_the_summary_says_cuda_graphs_pools_come_on_top_of_the_estimate():
     assert "cudagraphs" not in describe(plans["gpu"], auto.replace(compile=False), "bf16")
     assert "cudagraphs" not in describe(plans["cpu"], graphed, "fp32")
     assert "cudagraphs" not in describe(plans["cpu"], auto, "fp32")
+    # auto near the device's memory (mt5-xl ZeRO 2 at micro 32: ~121 of an H200's 139.8 GiB): off, said with why;
+    # asked for, graphs stay on there
+    full = dataclasses.replace(plans["gpu"], memory_estimate={**estimate, "per_gpu_gib": 120.9})
+    assert plans["gpu"].memory_share() == pytest.approx(40.0 / 139.8) and plans["cpu"].memory_share() is None
+    assert "cudagraphs (auto): off, the estimate fills 86% of a GPU (auto takes graphs up to 75%" in describe(
+        full, auto, "bf16")
+    assert "cudagraphs: the graphs' private pools come on top" in describe(full, graphed, "bf16")
+    assert "cudagraphs" not in describe(full, plain, "bf16")

@@ -327,6 +327,29 @@ def test_cuda_graphs_are_searched_only_where_pretrain_takes_them(tiny_shards, tm
     assert space_grid(options, cores=8, steps=6, gpus=True)["include"][0]["cudagraphs"] is False
 
 
+def test_each_candidate_resolves_auto_graphs_against_its_memory_estimate():
+    """On a GPU a candidate left at auto gets graphs where its estimate leaves a quarter of the GPU free, as pretrain
+    would run it; the default point (auto resolved without the estimate by space_grid) marks the graph-free candidate
+    where its estimate is above that share, and explicit values stay as they are."""
+    from pretrain.config import TrainConfig
+    from pretrain.study.tune import resolve_graphs
+
+    def config(micro: int, graphs: bool | None) -> TrainConfig:
+        return TrainConfig(model="t5-tiny", data="-", out="-", zero=2, compile=True, micro_batch=micro,
+                           cudagraphs=graphs)
+
+    gpu, cpu = {"kind": "cuda", "per_device_gib": 100.0}, {"kind": "cpu", "per_device_gib": 20.0}
+    points = [config(8, None), config(32, None), config(32, False), config(32, True)]
+    figures = [40.0, 90.0, 90.0, 90.0]          # GiB: micro 32 fills 90% of the GPU
+    configs, default = resolve_graphs(points, figures, gpu, {"micro_batch": 32, "cudagraphs": True})
+    assert [c.cudagraphs for c in configs] == [True, False, False, True]
+    assert default == {"micro_batch": 32, "cudagraphs": False}
+    configs, default = resolve_graphs(points, figures, gpu, {"micro_batch": 8, "cudagraphs": True})
+    assert default == {"micro_batch": 8, "cudagraphs": True}
+    configs, default = resolve_graphs(points, figures, cpu, {"micro_batch": 32, "cudagraphs": False})
+    assert [c.cudagraphs for c in configs] == [False, False, False, True] and default["cudagraphs"] is False
+
+
 @pytest.mark.slow   # two compiled launches (~65 s here); the ratio's arithmetic is in test_tune_model.py
 def test_a_tune_measures_a_graphed_twin_and_carries_its_ratio(tiny_shards, tmp_path):
     """Real compiled launches on CPU (where --cudagraphs runs the same code without graphs): the default and its
