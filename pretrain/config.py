@@ -42,7 +42,7 @@ AUTO_GRAPHS_MEMORY_SHARE = 0.75
 """--cudagraphs auto leaves graphs off where the preflight's memory estimate fills more than this share of a
 device: their private pools come on top of the estimate (none through pretrain at mt5-large micro 32 x 2, 33 GiB
 for mt5-large alone at batch 64 in the model benchmark), and graphs are measured at mt5-base and mt5-large (estimates
-38-66% of a device), not at mt5-xl's 87% of an H200 (docs/pretrain.md)."""
+38-66% of a device), not at mt5-xl's 86% of an H200 (docs/pretrain.md)."""
 
 
 @dataclass

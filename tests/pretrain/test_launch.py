@@ -87,8 +87,8 @@ def test_cudagraphs_auto_leaves_graphs_off_where_the_estimate_nearly_fills_the_g
     auto, asked = resolve_config(BASE + ["--compile"]), resolve_config(BASE + ["--compile", "--cudagraphs"])
     assert auto.graphs_on(cuda=True, memory_share=0.38) and auto.graphs_on(cuda=True, memory_share=None)
     assert auto.graphs_on(cuda=True, memory_share=AUTO_GRAPHS_MEMORY_SHARE)
-    assert not auto.graphs_on(cuda=True, memory_share=0.87)          # mt5-xl ZeRO 2, micro 32, on an H200
-    assert asked.graphs_on(cuda=True, memory_share=0.87)
+    assert not auto.graphs_on(cuda=True, memory_share=0.865)         # mt5-xl ZeRO 2, micro 32, on an H200
+    assert asked.graphs_on(cuda=True, memory_share=0.865)
 
 
 def test_an_nvme_path_that_is_a_file_is_refused(tmp_path):

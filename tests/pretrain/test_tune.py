@@ -339,15 +339,15 @@ def test_each_candidate_resolves_auto_graphs_against_its_memory_estimate():
                            cudagraphs=graphs)
 
     gpu, cpu = {"kind": "cuda", "per_device_gib": 100.0}, {"kind": "cpu", "per_device_gib": 20.0}
-    points = [config(8, None), config(32, None), config(32, False), config(32, True)]
-    figures = [40.0, 90.0, 90.0, 90.0]          # GiB: micro 32 fills 90% of the GPU
+    points = [config(8, None), config(8, True), config(32, None), config(32, False), config(32, True)]
+    figures = [40.0, 40.0, 90.0, 90.0, 90.0]          # GiB: micro 32 fills 90% of the GPU
     configs, default = resolve_graphs(points, figures, gpu, {"micro_batch": 32, "cudagraphs": True})
-    assert [c.cudagraphs for c in configs] == [True, False, False, True]
+    assert [c.cudagraphs for c in configs] == [True, True, False, False, True]
     assert default == {"micro_batch": 32, "cudagraphs": False}
     configs, default = resolve_graphs(points, figures, gpu, {"micro_batch": 8, "cudagraphs": True})
     assert default == {"micro_batch": 8, "cudagraphs": True}
     configs, default = resolve_graphs(points, figures, cpu, {"micro_batch": 32, "cudagraphs": False})
-    assert [c.cudagraphs for c in configs] == [False, False, False, True] and default["cudagraphs"] is False
+    assert [c.cudagraphs for c in configs] == [False, True, False, False, True] and default["cudagraphs"] is False
 
 
 @pytest.mark.slow   # two compiled launches (~65 s here); the ratio's arithmetic is in test_tune_model.py
