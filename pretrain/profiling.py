@@ -46,13 +46,19 @@ FAMILIES = (   # first match wins, on the lower-cased kernel name; the step-time
     ("loss", ("logsumexp", "cross_entropy", "nll_loss", "log_softmax")),
     ("embedding_bwd", ("embedding_dense_backward", "embedding_backward", "index_put", "scatter_add")),
     ("norm", ("rsqrt",)),                   # RMSNorm, fused by Inductor with what surrounds it
-    ("triton", ("triton_",)),               # the rest of Inductor's fused elementwise / reduction kernels
+    ("triton", ("triton_", "_gated_gelu", "_cast_kernel")),   # the rest of Inductor's fused elementwise /
+    # reduction kernels, and ours of that kind: the feed-forward's gate (gated_gelu.py), FP8's casts (fp8.py)
     ("copy", ("memcpy", "memset", "copy", "cat", "fill")),
 )
 """attention_bwd / _fwd: the fused attention kernels (with T5's position bias: memory-efficient attention, whose
 backward also writes the bias gradient); embedding_bwd: the gradients of the token embedding and of the position
 bias's bucket table (gathers turned into scatter-adds); loss is matched before it because the chunked loss's
 kernels also scatter-add. Host gaps are what the device-busy share leaves."""
+
+
+FAMILY_RULES = 2
+"""summary.json's `family_rules`: 2 since our gate and FP8 cast kernels count as "triton" (other fused kernels);
+summaries without it counted them as "other" (scripts/profile_table.py marks their rows)."""
 
 
 def kernel_family(name: str) -> str:
@@ -178,6 +184,7 @@ def summarize_trace(path: str | os.PathLike, window_s: float | None = None, top:
     kernel_total = sum(by_family.values())
     host_sync_s = sum(seconds for name, (_, seconds) in syncs.items() if name in BLOCKING_SYNC_CALLS)
     return {
+        "family_rules": FAMILY_RULES,
         "window_s": round(window, 6),
         "device_events": len(device),
         "device_busy_s": round(busy, 6),

@@ -9,9 +9,10 @@ step time of the run's unprofiled steady steps (the profiler slows the steps it 
 traced mt5-xl ZeRO 3 step took 1.53 s against 0.86 s untraced, with the same GPU busy time), then the share of that
 step each kernel family kept the GPU busy (pretrain/profiling.py FAMILIES: GEMMs, attention forward, attention
 backward with the position-bias gradient, the embedding and bias-bucket gradients, norms, Inductor's other fused
-elementwise and reduction kernels, the loss, the optimizer, NCCL collectives, copies), and the share the GPU sat
-idle (host gaps: launches, Python, hooks, host-side optimizer or offload work). Kernel time per step is the traced
-steps' (a kernel runs as long traced or not); the idle share is what the busy time leaves of the untraced step.
+elementwise and reduction kernels with ours of that kind (rows marked * count ours as other), the loss, the
+optimizer, NCCL collectives, copies), and the share the GPU sat idle (host gaps: launches, Python, hooks, host-side
+optimizer or offload work). Kernel time per step is the traced steps' (a kernel runs as long traced or not); the
+idle share is what the busy time leaves of the untraced step.
 Family shares are summed kernel time: kernels on two streams at once (a collective beside compute) count twice, so
 a row can add up to more than 100% less the idle share. A run without an untraced steady step falls back to the
 traced steps' wall time (the step column then says "traced"). Settings that differ between the rows beyond model,
@@ -37,6 +38,12 @@ RENAMED = {"_forward_kernel": "attention_fwd", "_backward_kv_kernel": "attention
            "_backward_q_kernel": "attention_bwd", "_delta_kernel": "attention_bwd"}
 """Our Triton attention kernels (pretrain/model/relative_attention.py) before they were named `_attn_*`, which
 summaries written then counted as "other": moved to their family from the summary's top kernels."""
+
+
+OWN_ELEMENTWISE = "our gate and FP8 cast kernels (`_gated_gelu_*`, `_cast_kernel`)"
+EARLIER_RULES = f"*: a summary from before family_rules 2, whose other holds {OWN_ELEMENTWISE}, later in other fused"
+"""Summaries written before pretrain/profiling.py's FAMILY_RULES 2 counted those kernels as "other"; their top
+kernels need not name all of them, so their rows are marked rather than moved."""
 
 
 def find_profiles(paths: list[Path]) -> list[Path]:
@@ -84,6 +91,7 @@ def row(summary_path: Path) -> dict:
             f"micro {train.get('micro_batch', '?')} x {launched.get('grad_accum', '?')}"
             f"{f' x {ranks} ranks' if ranks > 1 else ''}")
     return {"what": what, "train": train, "step_s": step, "traced": not untraced, "traced_step_s": traced,
+            "earlier_rules": summary.get("family_rules", 1) < 2,
             "device_events": summary.get("device_events", 0), "shares": shares,
             "idle": None if busy is None or not step else max(0.0, 1.0 - busy / steps / step)}
 
@@ -107,7 +115,10 @@ def table(rows: list[dict]) -> str:
         else:
             cells = [percent(r["shares"][family]) for family, _ in COLUMNS] + [percent(r["idle"])]
         step = ms(r["step_s"]) + (" (traced)" if r["traced"] else "")
-        lines.append(f"| {r['what']} | {step} | {ms(r['traced_step_s'])} | " + " | ".join(cells) + " |")
+        what = r["what"] + (" *" if r["earlier_rules"] else "")
+        lines.append(f"| {what} | {step} | {ms(r['traced_step_s'])} | " + " | ".join(cells) + " |")
+    if any(r["earlier_rules"] for r in rows):
+        lines += ["", EARLIER_RULES]
     return "\n".join(lines)
 
 

@@ -50,6 +50,9 @@ def test_kernel_families():
                    relative_attention._attn_bwd_delta_kernel):
         assert kernel_family(kernel.fn.__name__) == "attention_bwd"
     assert kernel_family(_adamw_kernel.fn.__name__) == "optimizer"
+    from pretrain.model import fp8, gated_gelu        # the gate's and FP8's casts: other fused kernels (family_rules 2)
+    for kernel in (gated_gelu._gated_gelu_fwd_kernel, gated_gelu._gated_gelu_bwd_kernel, fp8._cast_kernel):
+        assert kernel_family(kernel.fn.__name__) == "triton"
     assert kernel_family("void at::native::vectorized_elementwise_kernel") == "other"
 
 
@@ -138,6 +141,9 @@ def test_profile_table_of_a_study(tmp_path):
         with gzip.open(run / "profile" / "trace-rank0.json.gz", "wt") as handle:
             json.dump({"traceEvents": events}, handle)
         summary = {"steps": 2, **summarize_trace(run / "profile" / "trace-rank0.json.gz", window_s=1000e-6)}
+        assert summary.pop("family_rules") == 2
+        if untraced_s:      # one summary as written before family_rules 2: its row is marked
+            summary["family_rules"] = 2
         (run / "profile" / "summary.json").write_text(json.dumps(summary))
         (run / "config.json").write_text(json.dumps({       # the shape pretrain writes: TrainConfig under "train"
             "train": {"model": "mt5-xl", "zero": 3, "offload": "none", "micro_batch": 16, "global_batch": 32,
@@ -152,8 +158,9 @@ def test_profile_table_of_a_study(tmp_path):
     lines = [line for line in (tmp_path / "t.md").read_text().splitlines() if line.startswith("| mt5-xl")]
     traced, untraced = ([cell.strip() for cell in line.strip("|").split("|")] for line in lines)
     # no untraced median: the traced window per step (1000 us over 2 steps), its shares of that
-    assert traced[:3] == ["mt5-xl ZeRO 3, micro 16 x 2, stage3_param_persistence_threshold=None", "0.5 (traced)",
-                          "0.5"]
+    assert traced[:3] == ["mt5-xl ZeRO 3, micro 16 x 2, stage3_param_persistence_threshold=None *",
+                          "0.5 (traced)", "0.5"]
+    assert "*: a summary from before family_rules 2" in (tmp_path / "t.md").read_text()
     # (the renamed kernel counted as attention backward, not as other)
     assert traced[3] == "30.0%" and traced[5] == "30.0%" and traced[11] == "20.0%" and traced[13] == "0.0%"
     assert traced[-1] == "25.0%"
