@@ -348,6 +348,11 @@ def model_arithmetic(grid: StudyGrid, manifest: dict[str, Any], configs: list[Tr
     return shape, figures
 
 
+def at_point(config: TrainConfig, point: dict[str, Any]) -> bool:
+    """Whether `config` has every setting of `point` (e.g. the grid's default point)."""
+    return all(getattr(config, axis) == value for axis, value in point.items())
+
+
 def resolve_graphs(configs: list[TrainConfig], figures: list[float], device: dict[str, Any],
                    default: dict[str, Any]) -> tuple[list[TrainConfig], dict[str, Any]]:
     """Each candidate as pretrain runs it on this machine: --cudagraphs' auto resolved, against the share of a GPU
@@ -359,7 +364,7 @@ def resolve_graphs(configs: list[TrainConfig], figures: list[float], device: dic
     resolved = [c.replace(cudagraphs=c.graphs_on(cuda, share)) for c, share in zip(configs, shares)]
     if default.get("cudagraphs") is True:
         for c, share in zip(configs, shares):
-            if all(getattr(c, axis) == value for axis, value in default.items()):
+            if at_point(c, default):
                 if not c.replace(cudagraphs=None).graphs_on(cuda, share):
                     default = {**default, "cudagraphs": False}
                 break
@@ -615,7 +620,7 @@ def open_tune(options: TuneOptions) -> Tune:
     calibration = Calibration(capacity_gib=device["capacity_gib"], margin=options.memory_margin)
     calibrate_from(options.calibrate_from, calibration, device)
     candidates = [Candidate(config=config, point_id=Path(config.out).name,
-                            default=all(getattr(config, axis) == value for axis, value in default.items()),
+                            default=at_point(config, default),
                             estimate_gib=figure)
                   for config, figure in zip(configs, figures)]
     sweep = Sweep(study_dir=options.out, settings=grid.settings, fingerprint=manifest["fingerprint"],
