@@ -40,8 +40,8 @@ RENAMED = {"_forward_kernel": "attention_fwd", "_backward_kv_kernel": "attention
 summaries written then counted as "other": moved to their family from the summary's top kernels."""
 
 
-OWN_ELEMENTWISE = "our gate and FP8 cast kernels (`_gated_gelu_*`, `_cast_kernel`)"
-EARLIER_RULES = f"*: a summary from before family_rules 2, whose other holds {OWN_ELEMENTWISE}, later in other fused"
+EARLIER_RULES = ("*: a summary from before family_rules 2, whose other holds our gate and FP8 cast kernels "
+                 "(`_gated_gelu_*`, `_cast_kernel`), later in other fused")
 """Summaries written before pretrain/profiling.py's FAMILY_RULES 2 counted those kernels as "other"; their top
 kernels need not name all of them, so their rows are marked rather than moved."""
 
