@@ -45,6 +45,15 @@ for mt5-large alone at batch 64 in the model benchmark), and graphs are measured
 38-66% of a device), not at mt5-xl's 86% of an H200 (docs/pretrain.md)."""
 
 
+def memory_share(estimate_gib: float, device: dict[str, Any]) -> float | None:
+    """What --cudagraphs auto weighs (TrainConfig.graphs_on): a memory estimate per GPU over one GPU's memory, None
+    without a GPU. `device`: the preflight's or study tune's description ("kind", "per_device_gib")."""
+    per_device = device.get("per_device_gib")
+    if device.get("kind") != "cuda" or not per_device:
+        return None
+    return estimate_gib / per_device
+
+
 @dataclass
 class TrainConfig:
     """Everything one `pretrain` run needs; saved resolved as RUN_DIR/config.json["train"]."""

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.common import UserError, sha256_file, usable_cores
-from pretrain.config import AUTO_GRAPHS_MEMORY_SHARE
+from pretrain.config import AUTO_GRAPHS_MEMORY_SHARE, memory_share
 from pretrain.ds_config import resolve_precision
 from pretrain.model.memory import GIB, estimate_memory
 
@@ -48,10 +48,7 @@ class Plan:
 
     def memory_share(self) -> float | None:
         """The memory estimate over one GPU's memory (what --cudagraphs auto weighs), None without a GPU."""
-        per_device = self.device.get("per_device_gib")
-        if self.device.get("kind") != "cuda" or not per_device:
-            return None
-        return self.memory_estimate["per_gpu_gib"] / per_device
+        return memory_share(self.memory_estimate["per_gpu_gib"], self.device)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

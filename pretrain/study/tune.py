@@ -30,7 +30,7 @@ import yaml
 
 from pipeline.common import UserError, atomic_write_bytes, atomic_write_json, describe_os_error, need, writing
 from pipeline.settings import read_yaml
-from pretrain.config import STAGE3_TUNABLES, ZERO_STAGES, TrainConfig
+from pretrain.config import STAGE3_TUNABLES, ZERO_STAGES, TrainConfig, memory_share
 from pretrain.data import storage
 from pretrain.metrics import needed_peak
 from pretrain.runlock import TUNE_LOCK_NAME, RunLock, acquire_run_lock
@@ -359,8 +359,8 @@ def resolve_graphs(configs: list[TrainConfig], figures: list[float], device: dic
     its memory estimate fills (TrainConfig.graphs_on). `default` is pretrain's defaults on every axis (space_grid
     put it first in the grid's include, auto resolved there without the estimate): returned with graphs off where
     its point's estimate keeps auto from them, so the default marks the candidate pretrain would run."""
-    cuda, per_device = device["kind"] == "cuda", device.get("per_device_gib")
-    shares = [figure / per_device if cuda and per_device else None for figure in figures]
+    cuda = device["kind"] == "cuda"
+    shares = [memory_share(figure, device) for figure in figures]
     resolved = [c.replace(cudagraphs=c.graphs_on(cuda, share)) for c, share in zip(configs, shares)]
     if default.get("cudagraphs") is True:
         for c, share in zip(configs, shares):
